@@ -1,0 +1,60 @@
+"""The master's ASGI entry point.
+
+``/v1`` goes to the lean router app (no Django middleware on the hot path),
+``/ws/`` to Channels, everything else to Django (console, /api, admin, static).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mirbad_site.settings")
+
+from django.core.asgi import get_asgi_application
+
+django_app = get_asgi_application()
+
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
+from django.conf import settings  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
+from django.urls import path  # noqa: E402
+
+from nodes.consumers import FleetConsumer  # noqa: E402
+from router.app import RouterApp  # noqa: E402
+
+router_app = RouterApp()
+http_app = ASGIStaticFilesHandler(django_app) if settings.STATICFILES_DIRS else django_app
+
+
+async def http_dispatch(scope: dict, receive: object, send: object) -> None:
+    path_ = scope.get("path", "")
+    if path_ == "/v1" or path_.startswith("/v1/"):
+        await router_app(scope, receive, send)
+    else:
+        await http_app(scope, receive, send)  # type: ignore[arg-type]
+
+
+async def lifespan(scope: dict, receive: object, send: object) -> None:
+    await router_app(scope, receive, send)
+
+
+websocket_app = AllowedHostsOriginValidator(
+    AuthMiddlewareStack(URLRouter([path("ws/fleet/", FleetConsumer.as_asgi())]))
+)
+
+
+class _Dispatch:
+    async def __call__(self, scope: dict, receive: object, send: object) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await http_dispatch(scope, receive, send)
+        elif kind == "websocket":
+            await websocket_app(scope, receive, send)  # type: ignore[arg-type]
+        elif kind == "lifespan":
+            await router_app(scope, receive, send)
+
+
+application = _Dispatch()
+_ = ProtocolTypeRouter  # kept importable for tooling that expects Channels' router

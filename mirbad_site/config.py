@@ -1,0 +1,168 @@
+"""The master's configuration, read once from ``MIRBAD_*`` variables.
+
+``settings.py``, the launcher (``./mirbad up``) and the management commands
+all build their view of the deployment from :func:`load_master_config`, so a
+value means the same thing in every process and is validated in one place.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from mirbad_site.envconf import (
+    SettingError,
+    env_bool,
+    env_int,
+    env_list,
+    env_path,
+    env_port,
+    env_secret,
+    env_str,
+    env_url,
+)
+
+NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MasterConfig:
+    data_path: Path
+    bind: str
+    port: int
+    enroll_port: int
+    agent_port: int
+    database_url: str
+    redis_url: str
+    redis_embedded: bool
+    debug: bool
+    allowed_hosts: list[str]
+    secure_cookies: bool
+    bootstrap_node_id: str
+    bootstrap_agent_address: str
+    enroll_endpoint: str
+    enroll_addresses: list[str]
+    bootstrap_token_hours: int
+    log_level: str
+
+    @property
+    def pki_dir(self) -> Path:
+        return self.data_path / "pki"
+
+    @property
+    def bootstrap_dir(self) -> Path:
+        return self.data_path / "bootstrap"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.data_path / "run"
+
+    @property
+    def console_url(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
+        return f"http://{host}:{self.port}/"
+
+
+def embedded_redis_socket(data_path: Path) -> Path:
+    """Where the embedded Redis listens; short enough for a unix socket path."""
+    candidate = data_path / "run" / "redis.sock"
+    if len(str(candidate)) < 100:
+        return candidate
+    # sun_path is 108 bytes on Linux; fall back to a stable name under /tmp.
+    import hashlib
+
+    digest = hashlib.sha256(str(data_path).encode()).hexdigest()[:16]
+    return Path("/tmp") / f"mirbad-{digest}.sock"  # noqa: S108 - private name, 0700 parent not needed
+
+
+def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
+    """Parse every ``MIRBAD_*`` setting; raises :class:`SettingError` naming the variable."""
+    data_path = env_path("MIRBAD_DATA_PATH", "./var", env=env)
+    port = env_port("MIRBAD_PORT", 8080, env=env)
+    enroll_port = env_port("MIRBAD_ENROLL_PORT", 8443, env=env)
+    agent_port = env_port("MIRBAD_AGENT_PORT", 9443, env=env)
+    bind = env_str("MIRBAD_BIND", "127.0.0.1", env=env)
+    default_db = f"sqlite:///{data_path / 'db.sqlite3'}"
+    database_url = env_url(
+        "MIRBAD_DATABASE_URL", default_db, schemes=("sqlite", "postgres", "postgresql"), env=env
+    )
+    redis_env = env_url("MIRBAD_REDIS_URL", None, schemes=("redis", "rediss", "unix"), env=env)
+    redis_embedded = redis_env is None
+    redis_url = redis_env or f"unix://{embedded_redis_socket(data_path)}"
+    import re
+
+    node_id = env_str("MIRBAD_BOOTSTRAP_NODE_ID", "local", env=env)
+    if not re.match(NODE_ID_PATTERN, node_id):
+        raise SettingError(
+            f"MIRBAD_BOOTSTRAP_NODE_ID: {node_id!r} is not a valid node id; use lower-case "
+            "letters, digits and '-', starting with a letter or digit, at most 40 characters."
+        )
+    agent_address = env_url(
+        "MIRBAD_BOOTSTRAP_AGENT_ADDRESS",
+        f"https://127.0.0.1:{agent_port}",
+        schemes=("https",),
+        env=env,
+    )
+    enroll_endpoint = env_url(
+        "MIRBAD_ENROLL_ENDPOINT", f"https://127.0.0.1:{enroll_port}", schemes=("https",), env=env
+    )
+    level = env_str("MIRBAD_LOG_LEVEL", "INFO", env=env).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise SettingError(f"MIRBAD_LOG_LEVEL: {level!r}; use DEBUG, INFO, WARNING or ERROR.")
+    assert database_url is not None and agent_address is not None and enroll_endpoint is not None
+    return MasterConfig(
+        data_path=data_path,
+        bind=bind,
+        port=port,
+        enroll_port=enroll_port,
+        agent_port=agent_port,
+        database_url=database_url,
+        redis_url=redis_url,
+        redis_embedded=redis_embedded,
+        debug=env_bool("MIRBAD_DEBUG", False, env=env),
+        allowed_hosts=env_list("MIRBAD_ALLOWED_HOSTS", ["127.0.0.1", "localhost"], env=env),
+        secure_cookies=env_bool("MIRBAD_SECURE_COOKIES", False, env=env),
+        bootstrap_node_id=node_id,
+        bootstrap_agent_address=agent_address,
+        enroll_endpoint=enroll_endpoint,
+        enroll_addresses=env_list("MIRBAD_ENROLL_ADDRESSES", ["127.0.0.1", "localhost"], env=env),
+        bootstrap_token_hours=env_int(
+            "MIRBAD_BOOTSTRAP_TOKEN_HOURS", 24, minimum=1, maximum=24 * 30, env=env
+        ),
+        log_level=level,
+    )
+
+
+def load_secret_key(data_path: Path, env: Mapping[str, str] | None = None) -> str:
+    """``MIRBAD_SECRET_KEY`` (or ``_FILE``), else one generated once into the data directory."""
+    configured = env_secret("MIRBAD_SECRET_KEY", env=env)
+    if configured is not None:
+        if len(configured) < 32:
+            raise SettingError("MIRBAD_SECRET_KEY: use at least 32 characters.")
+        return configured
+    path = data_path / "secret_key"
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        pass
+    from mirbad_site.atomic import write_atomic
+
+    data_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    key = secrets.token_urlsafe(48)
+    try:
+        write_atomic(path, key.encode(), mode=0o600, exclusive=True)
+    except FileExistsError:
+        return path.read_text(encoding="utf-8").strip()
+    return key
+
+
+def env_for_children(config: MasterConfig) -> dict[str, str]:
+    """The environment the launcher hands to every master process it starts."""
+    env = dict(os.environ)
+    env["MIRBAD_DATA_PATH"] = str(config.data_path)
+    env["MIRBAD_REDIS_URL"] = config.redis_url
+    env["MIRBAD_DATABASE_URL"] = config.database_url
+    return env

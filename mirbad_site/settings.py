@@ -1,0 +1,150 @@
+"""Django settings, built from ``MIRBAD_*`` variables (see ``mirbad/config.py``).
+
+Nothing here is a constant a deployment would need to edit: every value comes
+from :func:`mirbad.config.load_master_config`, which fails at start with the
+variable's name when a value is malformed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import dj_database_url
+
+from mirbad_site.config import load_master_config, load_secret_key
+from mirbad_site.envconf import SettingError
+
+try:
+    MIRBAD = load_master_config()
+    SECRET_KEY = load_secret_key(MIRBAD.data_path)
+except SettingError as exc:
+    # A traceback would bury the one line the operator needs.
+    sys.stderr.write(f"mirbad: configuration error: {exc}\n")
+    raise SystemExit(2) from None
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+DEBUG = MIRBAD.debug
+ALLOWED_HOSTS = MIRBAD.allowed_hosts
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "channels",
+    "nodes",
+    "models_registry",
+    "router",
+    "backups",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "mirbad_site.urls"
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+ASGI_APPLICATION = "mirbad_site.asgi.application"
+
+DATABASES = {"default": dj_database_url.parse(MIRBAD.database_url, conn_max_age=0)}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # Several processes share the file: wait for the writer instead of failing.
+    DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+PASSWORD_HASHERS = [
+    "django.contrib.auth.hashers.PBKDF2PasswordHasher",
+]
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+LOGIN_URL = "/login/"
+LOGIN_REDIRECT_URL = "/"
+SESSION_COOKIE_SECURE = MIRBAD.secure_cookies
+CSRF_COOKIE_SECURE = MIRBAD.secure_cookies
+SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_SAMESITE = "Lax"
+X_FRAME_OPTIONS = "DENY"
+SECURE_CONTENT_TYPE_NOSNIFF = True
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = False
+USE_TZ = True
+
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = MIRBAD.data_path / "static"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "mirbad_site.api_auth.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["mirbad_site.api_auth.IsOperator"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "EXCEPTION_HANDLER": "mirbad_site.api_errors.exception_handler",
+    "UNAUTHENTICATED_USER": None,
+}
+
+CHANNEL_LAYERS = {
+    "default": {
+        "BACKEND": "channels_redis.core.RedisChannelLayer",
+        "CONFIG": {"hosts": [MIRBAD.redis_url], "prefix": "mirbad:asgi"},
+    }
+}
+
+CELERY_BROKER_URL = (
+    MIRBAD.redis_url.replace("unix://", "redis+socket://", 1)
+    if MIRBAD.redis_url.startswith("unix://")
+    else MIRBAD.redis_url
+)
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_TASK_ACKS_LATE = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+CELERY_BEAT_SCHEDULE = {
+    "renew-bootstrap-bundle": {
+        "task": "nodes.tasks.renew_bootstrap_bundle",
+        "schedule": 300.0,
+    },
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": MIRBAD.log_level},
+    "loggers": {
+        "django.db.backends": {"level": "WARNING"},
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+    },
+}

@@ -1,0 +1,50 @@
+"""URL map of the Django side: console, /api, admin, /healthz. /v1 is not here (asgi.py)."""
+
+from __future__ import annotations
+
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.db import connection
+from django.http import HttpRequest, JsonResponse
+from django.urls import path
+
+from models_registry.api import views as model_api
+from nodes import status_cache
+from nodes import views as console
+from nodes.api import views as node_api
+from router.api import views as key_api
+
+
+def healthz(request: HttpRequest) -> JsonResponse:
+    """Liveness plus the two stores every request depends on."""
+    checks: dict[str, str] = {}
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        checks["database"] = "ok"
+    except Exception as exc:
+        checks["database"] = f"error: {type(exc).__name__}"
+    try:
+        status_cache.sync_client().ping()
+        checks["redis"] = "ok"
+    except Exception as exc:
+        checks["redis"] = f"error: {type(exc).__name__}"
+    ok = all(v == "ok" for v in checks.values())
+    return JsonResponse({"status": "ok" if ok else "error", **checks}, status=200 if ok else 503)
+
+
+urlpatterns = [
+    path("", console.overview, name="overview"),
+    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("healthz", healthz),
+    path("admin/", admin.site.urls),
+    path("api/nodes", node_api.NodeList.as_view()),
+    path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),
+    path("api/models", model_api.ModelList.as_view()),
+    path("api/models/<int:model_id>", model_api.ModelDetail.as_view()),
+    path("api/models/<int:model_id>/start", model_api.ModelStart.as_view()),
+    path("api/models/<int:model_id>/stop", model_api.ModelStop.as_view()),
+    path("api/keys", key_api.KeyList.as_view()),
+    path("api/keys/<int:key_id>", key_api.KeyDetail.as_view()),
+]

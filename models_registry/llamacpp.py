@@ -1,0 +1,200 @@
+"""Typed llama.cpp settings and the one argv builder for llama-server.
+
+The master's builder is the only code that knows llama-server's flags. The
+argv order is fixed so the execution fingerprint is stable: the same settings
+always give the same argv, byte for byte. Extra args that would override a
+typed setting (llama-server takes the last value of a repeated flag) are
+refused, because admission computed the memory budget from the typed value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+MODEL_PLACEHOLDER = "{model}"
+PORT_PLACEHOLDER = "{port}"
+
+ALWAYS_FLAGS = [
+    "--host", "127.0.0.1",
+    "--port", PORT_PLACEHOLDER,
+    "--metrics",
+    "--no-ui",
+    "--cache-ram", "0",
+    "--fit", "off",
+]  # fmt: skip
+
+FLASH_ATTENTION = ("on", "off", "auto")
+KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+POOLING = ("none", "mean", "cls", "last", "rank")
+REASONING = ("on", "off", "auto")
+
+# Flags an extra arg may not set, in every spelling llama-server accepts.
+REFUSED_FLAGS = frozenset(
+    """
+    --host --port --api-key --api-key-file --alias -a -m --model --fit --log-file --device -dev
+    --ui --no-ui --webui --no-webui --cache-ram -cram -c --ctx-size -np --parallel -ngl
+    --gpu-layers --n-gpu-layers -b --batch-size -ub --ubatch-size -ctk --cache-type-k -ctv
+    --cache-type-v -fa --flash-attn --embedding --embeddings --pooling -ts --tensor-split -mg
+    --main-gpu --mmproj -mm --chat-template --chat-template-file --reasoning -t --threads
+    --metrics --path --model-url -mu -hf --hf-repo -hff --hf-file --lora --lora-scaled
+    --control-vector --slot-save-path -md --model-draft --grammar-file --json-schema-file
+    --ssl-key-file --ssl-cert-file -lv --verbosity --log-verbose -fit -fitt --fit-target -fitc
+    --fit-ctx -rea --api-prefix
+    """.split()
+)
+
+
+class SettingsError(ValueError):
+    """llama.cpp settings are invalid; ``errors`` maps each field to what is wrong."""
+
+    def __init__(self, errors: dict[str, str]) -> None:
+        self.errors = errors
+        super().__init__("; ".join(f"{k}: {v}" for k, v in errors.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LlamaCppSettings:
+    """The editor's llama.cpp section (seed 002 section 7.5)."""
+
+    context_size: int = 4096  # per slot; -c is context_size x parallel
+    parallel: int = 1
+    gpu_layers: int = 999
+    flash_attention: str = "auto"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    batch_size: int | None = None
+    ubatch_size: int | None = None
+    embedding: bool = False
+    pooling: str | None = None
+    causal_attention: bool = True
+    chat_template: str | None = None
+    reasoning: str = "auto"
+    threads: int | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> LlamaCppSettings:
+        """Parse and validate; every bad field is named in :class:`SettingsError`."""
+        data = dict(data or {})
+        known = {f.name for f in fields(cls)}
+        errors: dict[str, str] = {}
+        for key in sorted(set(data) - known):
+            errors[key] = f"unknown setting; known settings are {', '.join(sorted(known))}"
+        values = {k: v for k, v in data.items() if k in known}
+
+        def integer(name: str, low: int, high: int, optional: bool = False) -> None:
+            if name not in values:
+                return
+            value = values[name]
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int):
+                errors[name] = "must be a whole number"
+            elif not low <= value <= high:
+                errors[name] = f"must be between {low} and {high}"
+
+        def choice(name: str, options: tuple[str, ...], optional: bool = False) -> None:
+            if name not in values:
+                return
+            value = values[name]
+            if value is None and optional:
+                return
+            if value not in options:
+                errors[name] = f"must be one of {', '.join(options)}"
+
+        integer("context_size", 16, 4_194_304)
+        integer("parallel", 1, 256)
+        integer("gpu_layers", 0, 999)
+        integer("batch_size", 1, 1_048_576, optional=True)
+        integer("ubatch_size", 1, 1_048_576, optional=True)
+        integer("threads", 1, 1024, optional=True)
+        choice("flash_attention", FLASH_ATTENTION)
+        choice("cache_type_k", KV_TYPES)
+        choice("cache_type_v", KV_TYPES)
+        choice("pooling", POOLING, optional=True)
+        choice("reasoning", REASONING)
+        for name in ("embedding", "causal_attention"):
+            if name in values and not isinstance(values[name], bool):
+                errors[name] = "must be true or false"
+        template = values.get("chat_template")
+        if template is not None and (
+            not isinstance(template, str) or not template.startswith("builtin:")
+        ):
+            errors["chat_template"] = "must be 'builtin:<name>' (a file path is not accepted)"
+        extra = values.get("extra_args", [])
+        if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+            errors["extra_args"] = "must be a list of strings"
+        else:
+            problem = _check_extra_args(extra)
+            if problem:
+                errors["extra_args"] = problem
+        if errors:
+            raise SettingsError(errors)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def micro_batch(self) -> int | None:
+        """-b = -ub for embedding models: set value, else min(ctx, 2048) causal, ctx otherwise."""
+        if not self.embedding:
+            return self.ubatch_size
+        if self.ubatch_size is not None:
+            return self.ubatch_size
+        return min(self.context_size, 2048) if self.causal_attention else self.context_size
+
+
+def _check_extra_args(args: list[str]) -> str | None:
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in REFUSED_FLAGS:
+            return (
+                f"{flag!r} may not be passed as an extra arg: it is a typed setting or set by "
+                "the system; use the setting instead"
+            )
+        if "/" in arg or "\\" in arg:
+            return f"{arg!r} looks like a path; extra args may not carry paths"
+    return None
+
+
+def build_argv(*, settings: LlamaCppSettings, served_name: str) -> list[str]:
+    """The canonical llama-server argv, with ``{model}`` and ``{port}`` left to the agent."""
+    argv: list[str] = ["-m", MODEL_PLACEHOLDER, "--alias", served_name]
+    argv += ["-c", str(settings.context_size * settings.parallel)]
+    argv += ["-np", str(settings.parallel)]
+    argv += ["-ngl", str(settings.gpu_layers)]
+    argv += ["-fa", settings.flash_attention]
+    argv += ["-ctk", settings.cache_type_k, "-ctv", settings.cache_type_v]
+    if settings.embedding:
+        micro = settings.micro_batch()
+        argv += ["-b", str(micro), "-ub", str(micro)]
+    else:
+        if settings.batch_size is not None:
+            argv += ["-b", str(settings.batch_size)]
+        if settings.ubatch_size is not None:
+            argv += ["-ub", str(settings.ubatch_size)]
+    if settings.embedding:
+        argv += ["--embedding"]
+        if settings.pooling:
+            argv += ["--pooling", settings.pooling]
+    if settings.chat_template:
+        argv += ["--chat-template", settings.chat_template.removeprefix("builtin:")]
+    argv += ["--reasoning", settings.reasoning]
+    if settings.threads is not None:
+        argv += ["-t", str(settings.threads)]
+    argv += ALWAYS_FLAGS
+    argv += settings.extra_args
+    return argv
+
+
+def execution_fingerprint(*, argv: list[str], executable_version: str, env_names: list[str]) -> str:
+    """What decides "restart pending": canonical argv, engine version, environment names."""
+    payload = json.dumps(
+        {"argv": argv, "executable": executable_version, "env": sorted(env_names)},
+        separators=(",", ":"),
+        sort_keys=True,
+    )
+    return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()

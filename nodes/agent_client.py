@@ -1,0 +1,171 @@
+"""The master's client for the agent API (docs/agent-api.md).
+
+Every connection is pinned: the TLS context checks the agent's certificate
+inside the handshake (chain, the node's SPIFFE id, the SPKI pin), so no request
+byte reaches a machine that is not the node we meant. httpx serves the control
+plane; the /v1 data path uses aiohttp in ``router/``.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from nodes.models import Node
+from nodes.services import node_ssl_context
+
+PROTOCOL_VERSIONS = (1,)
+
+
+class AgentError(Exception):
+    """Base of the agent client's errors."""
+
+
+class AgentUnreachable(AgentError):
+    """The agent could not be reached, or failed the identity check."""
+
+
+class AgentRefused(AgentError):
+    """The agent answered with an error document."""
+
+    def __init__(self, *, status: int, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def _base(node: Node) -> str:
+    return node.address.rstrip("/") + "/agent/v1"
+
+
+def _describe(exc: Exception) -> str:
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return f"the agent's certificate was refused: {cause.verify_message or cause}"
+        cause = cause.__cause__ or cause.__context__
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _check(response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            code, message = str(error["code"]), str(error["message"])
+        except (ValueError, KeyError, TypeError):
+            code, message = "unexpected_answer", response.text[:200]
+        raise AgentRefused(status=response.status_code, code=code, message=message)
+    if response.status_code == 204 or not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        raise AgentRefused(
+            status=response.status_code, code="unexpected_answer", message="not JSON"
+        ) from None
+
+
+class AgentClient:
+    """Blocking client, for services called from views and tasks."""
+
+    def __init__(self, *, node: Node, timeout: float = 15.0) -> None:
+        self.node = node
+        self._client = httpx.Client(
+            base_url=_base(node),
+            verify=node_ssl_context(node),  # type: ignore[arg-type]
+            timeout=timeout,
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
+        return _check(response)
+
+    def info(self) -> dict[str, Any]:
+        return self._request("GET", "/info")
+
+    def status(self) -> dict[str, Any]:
+        return self._request("GET", "/status")
+
+    def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/instances", json=spec)
+
+    def stop(self, instance_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/instances/{instance_id}/stop")
+
+    def instances(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/instances")["instances"]
+
+
+class AsyncAgentClient:
+    """Async client for the monitor: snapshots, telemetry and the event stream."""
+
+    def __init__(self, *, node: Node, timeout: float = 10.0) -> None:
+        self.node = node
+        self._client = httpx.AsyncClient(
+            base_url=_base(node),
+            verify=node_ssl_context(node),  # type: ignore[arg-type]
+            timeout=timeout,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        try:
+            response = await self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
+        return _check(response)
+
+    async def info(self) -> dict[str, Any]:
+        return await self._request("GET", "/info")
+
+    async def status(self) -> dict[str, Any]:
+        return await self._request("GET", "/status")
+
+    async def telemetry(self) -> dict[str, Any]:
+        return await self._request("GET", "/telemetry")
+
+    async def events(self, *, read_timeout: float) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(event, data)`` from the SSE stream until it ends or goes silent."""
+        timeout = httpx.Timeout(10.0, read=read_timeout)
+        try:
+            async with self._client.stream("GET", "/events", timeout=timeout) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    _check(response)
+                event, data_lines = "message", []
+                async for line in response.aiter_lines():
+                    if line == "":
+                        if data_lines:
+                            try:
+                                payload = json.loads("\n".join(data_lines))
+                            except ValueError:
+                                payload = {}
+                            yield event, payload
+                        event, data_lines = "message", []
+                    elif line.startswith(":"):
+                        continue
+                    elif line.startswith("event:"):
+                        event = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data_lines.append(line[5:].lstrip())
+        except httpx.HTTPError as exc:
+            raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc

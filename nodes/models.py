@@ -1,0 +1,78 @@
+"""The node registry: who the agents are and how the master may trust them."""
+
+from __future__ import annotations
+
+from django.core.validators import RegexValidator
+from django.db import models
+
+from mirbad_site.config import NODE_ID_PATTERN
+
+node_id_validator = RegexValidator(
+    NODE_ID_PATTERN,
+    "Use lower-case letters, digits and '-', starting with a letter or digit (max 40).",
+)
+
+
+class Node(models.Model):
+    """One machine running an agent.
+
+    The live state (Online, Offline, ...) is not stored here: the monitor keeps
+    it in the Redis status cache, because it changes every few seconds and every
+    web process must read the same value. This row holds what must survive a
+    restart: identity, pin, approval, address.
+    """
+
+    node_id = models.CharField(max_length=40, unique=True, validators=[node_id_validator])
+    display_name = models.CharField(max_length=100, blank=True)
+    address = models.URLField(help_text="The agent URL the master dials, https://host:port")
+    is_bootstrap = models.BooleanField(default=False)
+    approved = models.BooleanField(default=False)
+    revoked = models.BooleanField(default=False)
+    draining = models.BooleanField(default=False)
+    spki_pin = models.CharField(max_length=64, blank=True, help_text="Base64 SHA-256 of the SPKI")
+    pending_pin = models.CharField(max_length=64, blank=True)
+    cert_serial = models.CharField(max_length=64, blank=True)
+    cert_not_after = models.DateTimeField(null=True, blank=True)
+    enrolled_at = models.DateTimeField(null=True, blank=True)
+    agent_version = models.CharField(max_length=40, blank=True)
+    protocol_version = models.PositiveSmallIntegerField(null=True, blank=True)
+    os = models.CharField(max_length=40, blank=True)
+    arch = models.CharField(max_length=40, blank=True)
+    memory_total_bytes = models.BigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node_id"]
+
+    def __str__(self) -> str:
+        return self.node_id
+
+    @property
+    def pins(self) -> list[str]:
+        return [p for p in (self.spki_pin, self.pending_pin) if p]
+
+    @property
+    def enrolled(self) -> bool:
+        return bool(self.spki_pin or self.pending_pin)
+
+
+class JoinToken(models.Model):
+    """A single-use enrollment token, stored as its SHA-256 only."""
+
+    class Purpose(models.TextChoices):
+        BOOTSTRAP = "bootstrap"
+        JOIN = "join"
+
+    token_hash = models.CharField(max_length=64, unique=True)
+    node_id = models.CharField(max_length=40, validators=[node_id_validator])
+    purpose = models.CharField(max_length=16, choices=Purpose.choices)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.purpose} token for {self.node_id}"

@@ -1,0 +1,259 @@
+"""Node registry operations: bootstrap, enrollment, tokens, the master's PKI files.
+
+Views, the enroll listener, Celery tasks and the launcher call these; none of
+them decides anything on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from mirbad_site.atomic import write_atomic
+from mirbad_site.config import MasterConfig
+from nodes import pki
+from nodes.models import JoinToken, Node
+
+log = logging.getLogger("mirbad.nodes")
+
+
+class EnrollmentRefused(Exception):
+    """An enrollment request was refused; ``code`` and ``status`` go to the agent."""
+
+    def __init__(self, code: str, message: str, status: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.status = status
+
+
+def config() -> MasterConfig:
+    return settings.MIRBAD
+
+
+@dataclass(frozen=True, kw_only=True)
+class MasterPki:
+    ca: pki.CertificateAuthority
+    client_cert: Path
+    client_key: Path
+
+
+def master_pki() -> MasterPki:
+    """The CA and the master's client certificate, created on first use."""
+    return _master_pki_cached(str(config().pki_dir))
+
+
+@lru_cache(maxsize=4)
+def _master_pki_cached(pki_dir: str) -> MasterPki:
+    ca = pki.load_or_create_ca(Path(pki_dir))
+    cert, key = pki.ensure_master_client_certificate(ca)
+    return MasterPki(ca=ca, client_cert=cert, client_key=key)
+
+
+def ensure_bootstrap_node() -> Node:
+    """The record of the agent on the master's own host: pre-approved, without a pin."""
+    cfg = config()
+    node, created = Node.objects.get_or_create(
+        node_id=cfg.bootstrap_node_id,
+        defaults={
+            "address": cfg.bootstrap_agent_address,
+            "is_bootstrap": True,
+            "approved": True,
+            "display_name": "This machine",
+        },
+    )
+    if created:
+        log.info("Created the bootstrap node record %s at %s", node.node_id, node.address)
+    elif node.is_bootstrap and node.address != cfg.bootstrap_agent_address:
+        # MIRBAD_AGENT_PORT moved: follow it, the identity stays the pin.
+        node.address = cfg.bootstrap_agent_address
+        node.save(update_fields=["address", "updated_at"])
+    return node
+
+
+def create_token(*, node_id: str, purpose: str, lifetime: dt.timedelta) -> str:
+    """A new single-use token; only its hash is stored, the token is returned once."""
+    token = pki.new_token()
+    JoinToken.objects.create(
+        token_hash=pki.hash_token(token),
+        node_id=node_id,
+        purpose=purpose,
+        expires_at=timezone.now() + lifetime,
+    )
+    return token
+
+
+def bundle_path() -> Path:
+    return config().bootstrap_dir / "bootstrap.json"
+
+
+def write_bootstrap_bundle(*, force: bool = False) -> Path | None:
+    """Keep a valid bundle for the bootstrap node while it is not enrolled.
+
+    Re-run every 5 minutes by Celery beat; it renews the token one hour before
+    it expires and removes a leftover bundle once the node holds a pin.
+    """
+    cfg = config()
+    node = ensure_bootstrap_node()
+    path = bundle_path()
+    if node.enrolled:
+        path.unlink(missing_ok=True)
+        return None
+    if not force and path.exists():
+        try:
+            current = json.loads(path.read_text())
+            expires = dt.datetime.fromisoformat(current["expiresAt"])
+            usable = JoinToken.objects.filter(
+                token_hash=pki.hash_token(current["token"]), used_at__isnull=True
+            ).exists()
+            if usable and expires - timezone.now() > dt.timedelta(hours=1):
+                return path
+        except (OSError, ValueError, KeyError, TypeError):
+            log.warning("The bootstrap bundle %s is unreadable; writing a new one", path)
+    mp = master_pki()
+    lifetime = dt.timedelta(hours=cfg.bootstrap_token_hours)
+    with transaction.atomic():
+        # Old unused bootstrap tokens die with the bundle that carried them.
+        JoinToken.objects.filter(
+            node_id=node.node_id, purpose=JoinToken.Purpose.BOOTSTRAP, used_at__isnull=True
+        ).delete()
+        token = create_token(
+            node_id=node.node_id, purpose=JoinToken.Purpose.BOOTSTRAP, lifetime=lifetime
+        )
+    now = timezone.now()
+    bundle = {
+        "nodeId": node.node_id,
+        "token": token,
+        "caCertPem": mp.ca.cert_pem,
+        "caSpkiSha256": mp.ca.spki_sha256,
+        "enrollEndpoint": cfg.enroll_endpoint,
+        "createdAt": now.isoformat(),
+        "expiresAt": (now + lifetime).isoformat(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.chmod(0o700)
+    write_atomic(path, json.dumps(bundle, indent=2).encode(), mode=0o600)
+    log.info("Wrote the bootstrap bundle for node %s to %s", node.node_id, path)
+    return path
+
+
+def _refuse(code: str, message: str, status: int) -> EnrollmentRefused:
+    log.warning("Enrollment refused (%s): %s", code, message)
+    return EnrollmentRefused(code, message, status)
+
+
+def enroll(
+    *,
+    token: str,
+    node_id: str,
+    csr_pem: str,
+    addresses: list[str],
+    agent_version: str = "",
+    protocol_versions: list[int] | None = None,
+) -> dict[str, object]:
+    """Redeem a single-use token for a node certificate; the pin is recorded.
+
+    The token row is locked and marked used in the same transaction that
+    records the pin, so two agents racing with one token get one certificate.
+    """
+    if not isinstance(token, str) or not token:
+        raise _refuse("token_invalid", "The enrollment token is missing.", 401)
+    mp = master_pki()
+    with transaction.atomic():
+        row = JoinToken.objects.select_for_update().filter(token_hash=pki.hash_token(token)).first()
+        if row is None:
+            raise _refuse(
+                "token_invalid",
+                "The enrollment token is not known to this master; ask for a new one.",
+                401,
+            )
+        if row.used_at is not None:
+            raise _refuse(
+                "token_used",
+                "The enrollment token was already used; each token enrolls one node once.",
+                401,
+            )
+        if row.expires_at <= timezone.now():
+            raise _refuse(
+                "token_expired", "The enrollment token has expired; ask for a new one.", 401
+            )
+        if row.node_id != node_id:
+            raise _refuse(
+                "invalid_request",
+                f"The token is for node '{row.node_id}', not '{node_id}'.",
+                400,
+            )
+        node = Node.objects.select_for_update().filter(node_id=node_id).first()
+        if row.purpose == JoinToken.Purpose.BOOTSTRAP:
+            if node is None or not node.is_bootstrap:
+                raise _refuse("invalid_request", f"'{node_id}' is not the bootstrap node.", 400)
+            if node.enrolled:
+                # An old bundle must never take over an enrolled node.
+                raise _refuse(
+                    "node_enrolled",
+                    f"Node '{node_id}' is already enrolled; a bootstrap token cannot replace it.",
+                    409,
+                )
+        try:
+            cert = pki.issue_node_certificate(mp.ca, csr_pem=csr_pem, node_id=node_id)
+        except pki.PkiError as exc:
+            raise _refuse("invalid_request", str(exc), 400) from None
+        if node is None:
+            address = addresses[0] if addresses else ""
+            node = Node(node_id=node_id, address=address, approved=False)
+        if addresses and not node.is_bootstrap:
+            node.address = addresses[0]
+        node.spki_pin = pki.spki_sha256(cert)
+        node.pending_pin = ""
+        node.cert_serial = format(cert.serial_number, "x")
+        node.cert_not_after = cert.not_valid_after_utc
+        node.enrolled_at = timezone.now()
+        node.agent_version = agent_version[:40]
+        node.save()
+        row.used_at = timezone.now()
+        row.save(update_fields=["used_at"])
+    log.info(
+        "Enrolled node %s, key %s (approved: %s)", node_id, pki.fingerprint(cert), node.approved
+    )
+    if node.is_bootstrap:
+        transaction.on_commit(lambda: bundle_path().unlink(missing_ok=True))
+    return {
+        "nodeId": node_id,
+        "certPem": cert.public_bytes(serialization.Encoding.PEM).decode(),
+        "caCertPem": mp.ca.cert_pem,
+        "approved": node.approved,
+        "fingerprint": pki.fingerprint(cert),
+    }
+
+
+def node_ssl_context(node: Node) -> object:
+    """The pinned TLS context for dialing ``node`` (cached per pin set)."""
+    mp = master_pki()
+    return _context_cached(
+        str(mp.ca.cert_path), str(mp.client_cert), str(mp.client_key), node.node_id,
+        tuple(node.pins),
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=1024)
+def _context_cached(
+    ca_path: str, cert: str, key: str, node_id: str, pins: tuple[str, ...]
+) -> object:
+    ca = x509.load_pem_x509_certificate(Path(ca_path).read_bytes())
+    return pki.agent_client_context(
+        ca=ca,
+        ca_path=Path(ca_path),
+        client_cert=Path(cert),
+        client_key=Path(key),
+        node_id=node_id,
+        pins=pins,
+    )

@@ -1,0 +1,101 @@
+"""OpenAI-shaped errors of /v1, with the codes and Retry-After of seed 000 section 7."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class V1Error(Exception):
+    status: int
+    code: str
+    message: str
+    retry_after: int | None = None
+    param: str | None = None
+
+    def body(self) -> bytes:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        if self.status == 401:
+            kind = "authentication_error"
+        elif self.status == 403:
+            kind = "permission_error"
+        elif self.status == 503:
+            kind = "service_unavailable"
+        return json.dumps(
+            {
+                "error": {
+                    "message": self.message,
+                    "type": kind,
+                    "param": self.param,
+                    "code": self.code,
+                }
+            }
+        ).encode()
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        out = [(b"content-type", b"application/json")]
+        if self.retry_after is not None:
+            out.append((b"retry-after", str(self.retry_after).encode()))
+        if self.status == 401:
+            out.append((b"www-authenticate", b'Bearer realm="mirbad"'))
+        return out
+
+
+def invalid_key() -> V1Error:
+    return V1Error(
+        401,
+        "invalid_api_key",
+        "The API key is missing, unknown, revoked or expired. Send 'Authorization: Bearer <key>'.",
+    )
+
+
+def model_not_found(name: str) -> V1Error:
+    return V1Error(404, "model_not_found", f"The model '{name}' does not exist.", param="model")
+
+
+def model_not_ready(name: str) -> V1Error:
+    return V1Error(503, "model_not_ready", f"The model '{name}' is not ready.", retry_after=30)
+
+
+def node_offline(name: str, node: str) -> V1Error:
+    return V1Error(
+        503,
+        "node_offline",
+        f"The node '{node}' serving model '{name}' is offline.",
+        retry_after=30,
+    )
+
+
+def node_incompatible(name: str, node: str) -> V1Error:
+    return V1Error(
+        503,
+        "node_incompatible",
+        f"The node '{node}' serving model '{name}' speaks no common protocol version.",
+        retry_after=300,
+    )
+
+
+def node_unreachable(name: str, node: str) -> V1Error:
+    return V1Error(
+        503,
+        "node_unreachable",
+        f"The node '{node}' serving model '{name}' cannot be reached right now.",
+        retry_after=10,
+    )
+
+
+def model_unplaced(name: str) -> V1Error:
+    return V1Error(503, "model_unplaced", f"The model '{name}' is not placed on any node.")
+
+
+def request_too_large(limit: int) -> V1Error:
+    return V1Error(
+        413,
+        "request_too_large",
+        f"The request body is larger than {limit // (1024 * 1024)} MiB.",
+    )
+
+
+def upstream_unavailable(message: str) -> V1Error:
+    return V1Error(502, "upstream_unavailable", message)

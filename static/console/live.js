@@ -1,0 +1,70 @@
+// Overview live updates: one websocket, typed events from the "fleet" group.
+(function () {
+  "use strict";
+  const live = document.getElementById("live");
+
+  function badge(cell, state) {
+    cell.innerHTML = "";
+    const span = document.createElement("span");
+    span.className = "badge s-" + state;
+    span.textContent = state;
+    cell.appendChild(span);
+  }
+
+  function row(table, attr, id, cells) {
+    const body = document.querySelector("#" + table + " tbody");
+    let tr = body.querySelector("tr[" + attr + '="' + CSS.escape(String(id)) + '"]');
+    if (!tr) {
+      const empty = body.querySelector("tr.empty");
+      if (empty) empty.remove();
+      tr = document.createElement("tr");
+      tr.setAttribute(attr, id);
+      for (const name of cells) {
+        const td = document.createElement("td");
+        td.className = name;
+        tr.appendChild(td);
+      }
+      body.appendChild(tr);
+    }
+    return tr;
+  }
+
+  function pct(value) {
+    return value === null || value === undefined ? "–" : Math.round(value) + " %";
+  }
+
+  function onNode(node) {
+    const tr = row("nodes", "data-node", node.nodeId, ["id", "state", "cpu", "ram", "reasons"]);
+    tr.children[0].textContent = node.nodeId;
+    badge(tr.querySelector(".state"), node.state);
+    tr.querySelector(".cpu").textContent = pct(node.cpuPercent);
+    tr.querySelector(".ram").textContent = pct(node.memoryPercent);
+    tr.querySelector(".reasons").textContent = (node.reasons || []).join(", ");
+  }
+
+  function onModel(model) {
+    const tr = row("models", "data-model", model.modelId, ["name", "state", "node", "error"]);
+    tr.children[0].textContent = model.servedName;
+    badge(tr.querySelector(".state"), model.state);
+    tr.querySelector(".node").textContent = model.nodeId || "-";
+    tr.querySelector(".error").textContent = model.error || "";
+  }
+
+  let delay = 1000;
+  function connect() {
+    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
+    const ws = new WebSocket(scheme + location.host + "/ws/fleet/");
+    ws.onopen = function () { live.textContent = "live"; delay = 1000; };
+    ws.onmessage = function (msg) {
+      const event = JSON.parse(msg.data);
+      if (event.type === "node.updated") onNode(event.node);
+      else if (event.type === "model.updated") onModel(event.model);
+    };
+    ws.onclose = function () {
+      live.textContent = "reconnecting…";
+      setTimeout(connect, delay);
+      delay = Math.min(delay * 2, 30000);
+    };
+  }
+  connect();
+})();

@@ -1,0 +1,66 @@
+"""Shared fixtures: personas, a clean status cache, certificates for TLS tests."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth import get_user_model
+from rest_framework.test import APIClient
+
+from router import keys
+
+
+@pytest.fixture
+def operator(db):
+    """A console user allowed to operate the fleet (staff)."""
+    return get_user_model().objects.create_user("operator", password="pw-operator-1", is_staff=True)
+
+
+@pytest.fixture
+def viewer(db):
+    """A logged-in user without operator rights."""
+    return get_user_model().objects.create_user("viewer", password="pw-viewer-1")
+
+
+@pytest.fixture
+def operator_client(operator) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(operator)
+    return client
+
+
+@pytest.fixture
+def viewer_client(viewer) -> APIClient:
+    client = APIClient()
+    client.force_authenticate(viewer)
+    return client
+
+
+@pytest.fixture
+def anon_client() -> APIClient:
+    return APIClient()
+
+
+@pytest.fixture
+def chat_key(db) -> str:
+    """A /v1 key with the chat scope only (no admin)."""
+    _, key = keys.create_key(name="chat", scopes=["chat", "completions", "embeddings"])
+    return key
+
+
+@pytest.fixture
+def admin_key(db) -> str:
+    _, key = keys.create_key(name="admin", scopes=["admin", "chat"])
+    return key
+
+
+@pytest.fixture
+def status_redis():
+    """The status cache's Redis, emptied before and after the test."""
+    from nodes import status_cache
+
+    client = status_cache.sync_client()
+    for key in client.scan_iter(f"{status_cache.KEY_PREFIX}*"):
+        client.delete(key)
+    yield client
+    for key in client.scan_iter(f"{status_cache.KEY_PREFIX}*"):
+        client.delete(key)
