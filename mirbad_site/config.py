@@ -46,6 +46,7 @@ class MasterConfig:
     enroll_endpoint: str
     enroll_addresses: list[str]
     bootstrap_token_hours: int
+    bootstrap_directory: Path
     log_level: str
 
     @property
@@ -54,7 +55,7 @@ class MasterConfig:
 
     @property
     def bootstrap_dir(self) -> Path:
-        return self.data_path / "bootstrap"
+        return self.bootstrap_directory
 
     @property
     def run_dir(self) -> Path:
@@ -131,6 +132,9 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         enroll_addresses=env_list("MIRBAD_ENROLL_ADDRESSES", ["127.0.0.1", "localhost"], env=env),
         bootstrap_token_hours=env_int(
             "MIRBAD_BOOTSTRAP_TOKEN_HOURS", 24, minimum=1, maximum=24 * 30, env=env
+        ),
+        bootstrap_directory=env_path(
+            "MIRBAD_BOOTSTRAP_DIRECTORY", str(data_path / "bootstrap"), env=env
         ),
         log_level=level,
     )

@@ -268,6 +268,7 @@ class Launcher:
                     cfg.bind,
                     "--port",
                     str(cfg.port),
+                    "--no-server-header",
                     "--lifespan",
                     "on",
                     "--no-access-log",
@@ -466,7 +467,13 @@ def up(*, demo: bool) -> int:
         say(f"API key: {facts['key']}")
         if demo:
             name = launcher.demo_model()
-            body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello"}]})
+            body = json.dumps(
+                {
+                    "model": name,
+                    "max_tokens": 32,
+                    "messages": [{"role": "user", "content": "Hello"}],
+                }
+            )
             say(
                 f"curl -s http://127.0.0.1:{config.port}/v1/chat/completions "
                 f"-H 'Authorization: Bearer {facts['key']}' -H 'Content-Type: application/json' "

@@ -47,6 +47,8 @@ HOP_BY_HOP = {
     b"content-length",
     b"host",
     b"authorization",
+    b"date",  # the ASGI server sets its own
+    b"server",
 }
 # Agent errors are marked by this header; engine errors pass through untouched.
 AGENT_ERROR_HEADER = "x-mirbad-agent-error"

@@ -64,3 +64,13 @@ def status_redis():
     yield client
     for key in client.scan_iter(f"{status_cache.KEY_PREFIX}*"):
         client.delete(key)
+
+
+@pytest.fixture
+async def close_db_after():
+    """Async tests reach the ORM through sync_to_async's thread; close its connection after."""
+    yield
+    from asgiref.sync import sync_to_async
+    from django.db import connections
+
+    await sync_to_async(connections.close_all)()

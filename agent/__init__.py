@@ -1,0 +1,81 @@
+"""MirbadLLM node agent.
+
+Runs on every node, serves the mTLS API of docs/agent-api.md to the master, and starts,
+supervises and proxies to local engines. It must not import Django or anything of the
+master: it runs on machines that have Python and nothing else of the project.
+
+Public surface (everything else lives in private modules and may change)::
+
+    AgentConfig, ExecutableEntry, load_config     configuration
+    AgentServer, run_agent, serve                 running the agent
+    join, bootstrap_enroll                        enrollment
+    install_llama_server                          building the engine
+    write_tiny_gguf                               a tiny model for demos and tests
+    AgentError and its subclasses                 errors (see agent._errors)
+    __version__, PROTOCOL_VERSIONS
+"""
+
+from agent._config import AgentConfig, ExecutableEntry, load_config
+from agent._enroll import bootstrap_enroll, join
+from agent._errors import (
+    AgentError,
+    ApiError,
+    ClientNotMaster,
+    ConfigError,
+    Conflict,
+    EnrollmentError,
+    EnrollmentRefused,
+    ExecutableUnverified,
+    IdentityError,
+    InstallError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotRunning,
+    NotFound,
+    ServerBusy,
+    SpecRejected,
+    StateUnavailable,
+    TokenRefused,
+    UntrustedEnrollEndpoint,
+    UpstreamUnavailable,
+)
+from agent._install import install_llama_server
+from agent._run import run_agent, serve
+from agent._server import AgentServer
+from agent._tinygguf import write_tiny_gguf
+from agent._version import PROTOCOL_VERSIONS, __version__
+
+__all__ = [
+    "PROTOCOL_VERSIONS",
+    "AgentConfig",
+    "AgentError",
+    "AgentServer",
+    "ApiError",
+    "ClientNotMaster",
+    "ConfigError",
+    "Conflict",
+    "EnrollmentError",
+    "EnrollmentRefused",
+    "ExecutableEntry",
+    "ExecutableUnverified",
+    "IdentityError",
+    "InstallError",
+    "InvalidRequest",
+    "MethodNotAllowed",
+    "ModelNotRunning",
+    "NotFound",
+    "ServerBusy",
+    "SpecRejected",
+    "StateUnavailable",
+    "TokenRefused",
+    "UntrustedEnrollEndpoint",
+    "UpstreamUnavailable",
+    "__version__",
+    "bootstrap_enroll",
+    "install_llama_server",
+    "join",
+    "load_config",
+    "run_agent",
+    "serve",
+    "write_tiny_gguf",
+]

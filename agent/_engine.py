@@ -1,0 +1,220 @@
+"""Low-level pieces of running an engine process: the process handle, logs, ports.
+
+The process is a plain ``subprocess.Popen`` in its own session (so its whole group can
+be signalled), not an asyncio subprocess: asyncio kills its children when the event
+loop's transports close, and an agent configured to leave engines running on shutdown
+(StopInstancesOnShutdown false) must be able to exit without taking them along. The
+exit is observed through a pidfd registered with the event loop (a waiting thread where
+pidfds are unavailable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import BinaryIO
+
+from agent._errors import SpecRejected
+
+__all__ = [
+    "EngineProcess",
+    "PortAllocator",
+    "exit_text",
+    "open_log",
+    "read_log_tail",
+]
+
+log = logging.getLogger("mirbad.agent.process")
+
+LOG_ROTATE_BYTES = 50 * 1024 * 1024
+LOG_TAIL_LINES = 400
+
+
+def exit_text(code: int) -> str:
+    """``exited with code 3`` / ``was killed by signal SIGKILL``."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {signal.Signals(-code).name}"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class EngineProcess:
+    """A started engine: the Popen object plus a future that resolves with its exit code."""
+
+    def __init__(self, *, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
+        self.popen = popen
+        self.pid = popen.pid
+        self._loop = loop
+        self._exited: asyncio.Future[int] = loop.create_future()
+        self._pidfd: int | None = None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+            loop.add_reader(self._pidfd, self._on_pidfd)
+        except (AttributeError, OSError, NotImplementedError):
+            if self._pidfd is not None:
+                os.close(self._pidfd)
+                self._pidfd = None
+            threading.Thread(target=self._wait_thread, daemon=True, name=f"wait-{self.pid}").start()
+
+    @classmethod
+    def start(
+        cls,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        log_file: BinaryIO,
+        cwd: Path,
+        loop: asyncio.AbstractEventLoop,
+    ) -> EngineProcess:
+        """Start ``argv`` in a new session, stdin on /dev/null, output on ``log_file``.
+
+        Raises OSError when the executable cannot be started.
+        """
+        popen = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(cwd),
+            close_fds=True,
+            start_new_session=True,
+        )
+        return cls(popen=popen, loop=loop)
+
+    def _on_pidfd(self) -> None:
+        self._close_pidfd()
+        self._resolve(self.popen.wait())
+
+    def _wait_thread(self) -> None:
+        code = self.popen.wait()
+        with contextlib.suppress(RuntimeError):  # the loop may be gone at agent exit
+            self._loop.call_soon_threadsafe(self._resolve, code)
+
+    def _resolve(self, code: int) -> None:
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exited.result() if self._exited.done() else None
+
+    async def wait(self) -> int:
+        """The exit code, once the process has exited (cancelling this does not kill it)."""
+        return await asyncio.shield(self._exited)
+
+    def detach(self) -> None:
+        """Stop watching the process and leave it running (agent shutdown)."""
+        self._close_pidfd()
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the group after the leader exited (helpers it forked)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    async def kill_group(self, grace: float) -> int:
+        """SIGTERM the process group, SIGKILL after ``grace`` s; returns the exit code."""
+        pgid = self.pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.wait(), grace)
+        except TimeoutError:
+            log.warning("Process group %s ignored SIGTERM for %g s; killing it", pgid, grace)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            await self.wait()
+        # Children that outlived the leader belong to the same group; the kernel does not
+        # reuse a pid while its group exists, so this cannot hit someone else's process.
+        self.kill_leftovers()
+        return await self.wait()
+
+
+def read_log_tail(path: Path, offset: int = 0, max_lines: int = LOG_TAIL_LINES) -> list[str]:
+    """The last ``max_lines`` lines written to ``path`` after ``offset``."""
+    try:
+        with open(path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            start = max(offset, size - 1024 * 1024)
+            handle.seek(start)
+            data = handle.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    if start > offset and lines:
+        lines = lines[1:]  # the first line was cut by the byte window
+    return [line.rstrip() for line in lines[-max_lines:]]
+
+
+def _rotate(path: Path) -> None:
+    if path.exists() and path.stat().st_size > LOG_ROTATE_BYTES:
+        older = path.with_name(path.name + ".1")
+        if older.exists():
+            os.replace(older, path.with_name(path.name + ".2"))
+        os.replace(path, older)
+
+
+def open_log(path: Path, header: str) -> tuple[BinaryIO, int]:
+    """Rotate if needed, open for appending, write a header; returns (file, offset)."""
+    _rotate(path)
+    offset = path.stat().st_size if path.exists() else 0
+    # Not a with-block: the caller hands the open file to the child, then closes it.
+    handle = open(path, "ab")
+    try:
+        handle.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {header}\n".encode())
+        handle.flush()
+    except BaseException:
+        handle.close()
+        raise
+    return handle, offset
+
+
+def _port_free(port: int) -> bool:
+    # No SO_REUSEADDR: the bind must fail if anything listens on this port on 127.0.0.1
+    # or the wildcard address.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+class PortAllocator:
+    """Hands out loopback ports; the lock keeps two launches off the same free port."""
+
+    def __init__(self, *, start: int, end: int) -> None:
+        self._start = start
+        self._end = end
+        self._taken: set[int] = set()
+        self._lock = asyncio.Lock()
+
+    async def reserve(self) -> int:
+        async with self._lock:
+            for port in range(self._start, self._end + 1):
+                if port not in self._taken and _port_free(port):
+                    self._taken.add(port)
+                    return port
+        raise SpecRejected(
+            f"no free loopback port in PortRangeStart..PortRangeEnd ({self._start}..{self._end})"
+        )
+
+    def release(self, port: int | None) -> None:
+        if port is not None:
+            self._taken.discard(port)

@@ -1,0 +1,264 @@
+"""The node's TLS identity: key, CSR, stored certificates and the listener's SSL context.
+
+The private key is generated here and never leaves the node; the master only ever sees
+the CSR. The listener trusts exactly the CA in ``ca.crt`` and, on top of the chain
+check that OpenSSL does in the handshake, :func:`check_master_client_cert` makes sure
+the client is the master and not, say, another node holding a certificate from the
+same CA.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from agent._atomic import fsync_directory, write_atomic
+from agent._errors import ClientNotMaster, IdentityError
+
+__all__ = [
+    "CA_FILE",
+    "CERT_FILE",
+    "KEY_FILE",
+    "MASTER_SPIFFE_ID",
+    "Identity",
+    "check_master_client_cert",
+    "ensure_state_directory",
+    "generate_key_and_csr",
+    "has_identity",
+    "load_identity",
+    "node_id_from_cert",
+    "node_spiffe_id",
+    "server_ssl_context",
+    "spki_sha256",
+    "store_identity",
+    "validate_issued_cert",
+]
+
+MASTER_SPIFFE_ID = "spiffe://mirbadllm/master"
+_NODE_PREFIX = "spiffe://mirbadllm/node/"
+KEY_FILE = "agent.key"
+CERT_FILE = "agent.crt"
+CA_FILE = "ca.crt"
+
+
+def node_spiffe_id(node_id: str) -> str:
+    """The URI SAN a node certificate carries."""
+    return _NODE_PREFIX + node_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class Identity:
+    """The loaded identity of this agent."""
+
+    node_id: str
+    cert: x509.Certificate
+    ca_cert: x509.Certificate
+    key_path: Path
+    cert_path: Path
+    ca_path: Path
+
+    @property
+    def spki_sha256(self) -> str:
+        return spki_sha256(self.cert)
+
+
+def ensure_state_directory(state_dir: Path) -> None:
+    """Create the state directory (0700): it holds the private key and instance keys."""
+    state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(state_dir, 0o700)
+
+
+def spki_sha256(cert: x509.Certificate | bytes) -> str:
+    """Base64 (standard) of SHA-256 over the DER SubjectPublicKeyInfo: the pin format."""
+    if isinstance(cert, bytes):
+        cert = _parse_cert(cert)
+    spki = cert.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    return base64.b64encode(hashlib.sha256(spki).digest()).decode("ascii")
+
+
+def _parse_cert(data: bytes) -> x509.Certificate:
+    if data.lstrip().startswith(b"-----BEGIN"):
+        return x509.load_pem_x509_certificate(data)
+    return x509.load_der_x509_certificate(data)
+
+
+def _uri_sans(cert: x509.Certificate) -> list[str]:
+    try:
+        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    except x509.ExtensionNotFound:
+        return []
+    return list(ext.value.get_values_for_type(x509.UniformResourceIdentifier))
+
+
+def node_id_from_cert(cert: x509.Certificate) -> str:
+    """The node id in a node certificate's single ``spiffe://mirbadllm/node/...`` URI SAN."""
+    uris = _uri_sans(cert)
+    if len(uris) != 1 or not uris[0].startswith(_NODE_PREFIX):
+        raise IdentityError(
+            f"The agent certificate must carry exactly one URI SAN {_NODE_PREFIX}<nodeId>; "
+            f"it has {uris or 'none'}."
+        )
+    return uris[0][len(_NODE_PREFIX) :]
+
+
+def generate_key_and_csr(node_id: str) -> tuple[ec.EllipticCurvePrivateKey, bytes]:
+    """A fresh P-256 key and a PEM CSR for ``node_id`` (CN and SPIFFE URI SAN)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node_id)]))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.UniformResourceIdentifier(node_spiffe_id(node_id))]),
+            critical=False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return key, csr.public_bytes(serialization.Encoding.PEM)
+
+
+def validate_issued_cert(
+    *,
+    cert: x509.Certificate,
+    ca_cert: x509.Certificate,
+    key: ec.EllipticCurvePrivateKey | None,
+    node_id: str,
+) -> None:
+    """Refuse a certificate that is not for this key and node, or not signed by the CA.
+
+    Checked before anything is stored, so a confused or hostile answer can never
+    replace a working identity with an unusable one.
+    """
+    try:
+        cert.verify_directly_issued_by(ca_cert)
+    except (ValueError, TypeError) as exc:
+        raise IdentityError(f"The certificate is not issued by the CA: {exc}") from None
+    except InvalidSignature:
+        raise IdentityError(
+            "The certificate's signature does not verify with the CA key."
+        ) from None
+    if key is not None:
+        ours = key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        theirs = cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if ours != theirs:
+            raise IdentityError("The certificate is not for this agent's key.")
+    cert_node = node_id_from_cert(cert)
+    if cert_node != node_id:
+        raise IdentityError(
+            f"The agent certificate is for node '{cert_node}', but the config says '{node_id}'."
+        )
+
+
+def store_identity(
+    state_dir: Path, *, key: ec.EllipticCurvePrivateKey, cert_pem: bytes, ca_pem: bytes
+) -> None:
+    """Write agent.key (0600), ca.crt and agent.crt atomically, the certificate last.
+
+    The certificate is written last because its presence is what :func:`has_identity`
+    looks at, so a crash half way leaves an agent that simply enrolls again.
+    """
+    ensure_state_directory(state_dir)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(state_dir / CERT_FILE)
+    fsync_directory(state_dir)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    write_atomic(state_dir / KEY_FILE, key_pem, mode=0o600)
+    write_atomic(state_dir / CA_FILE, ca_pem, mode=0o644)
+    write_atomic(state_dir / CERT_FILE, cert_pem, mode=0o644)
+
+
+def has_identity(state_dir: Path) -> bool:
+    """Whether all three identity files exist."""
+    return all((state_dir / name).is_file() for name in (KEY_FILE, CERT_FILE, CA_FILE))
+
+
+def load_identity(state_dir: Path, *, node_id: str) -> Identity:
+    """Load and cross-check the stored identity against the configured node id."""
+    paths = {name: state_dir / name for name in (KEY_FILE, CERT_FILE, CA_FILE)}
+    missing = [name for name, p in paths.items() if not p.is_file()]
+    if missing:
+        raise IdentityError(
+            f"The state directory {state_dir} has no {', '.join(missing)}; enroll first "
+            "(python -m agent join ..., or set BootstrapDirectory)."
+        )
+    try:
+        cert = x509.load_pem_x509_certificate(paths[CERT_FILE].read_bytes())
+        ca_cert = x509.load_pem_x509_certificate(paths[CA_FILE].read_bytes())
+        key = serialization.load_pem_private_key(paths[KEY_FILE].read_bytes(), password=None)
+    except (OSError, ValueError) as exc:
+        raise IdentityError(f"Cannot read the identity in {state_dir}: {exc}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise IdentityError(f"{paths[KEY_FILE]} is not an EC private key.")
+    cert_node = node_id_from_cert(cert)
+    if cert_node != node_id:
+        raise IdentityError(
+            f"The agent certificate is for node '{cert_node}', but the config says '{node_id}'."
+        )
+    validate_issued_cert(cert=cert, ca_cert=ca_cert, key=key, node_id=node_id)
+    return Identity(
+        node_id=node_id,
+        cert=cert,
+        ca_cert=ca_cert,
+        key_path=paths[KEY_FILE],
+        cert_path=paths[CERT_FILE],
+        ca_path=paths[CA_FILE],
+    )
+
+
+def server_ssl_context(identity: Identity) -> ssl.SSLContext:
+    """The listener's context: our cert, client certificates required, CA from ca.crt."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    ctx.load_verify_locations(cafile=str(identity.ca_path))
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def check_master_client_cert(der: bytes | None) -> None:
+    """Raise ClientNotMaster unless the client certificate is the master's.
+
+    The handshake already proved the chain to our CA; this adds the role check: EKU
+    clientAuth and exactly one URI SAN equal to the master's SPIFFE id.
+    """
+    if not der:
+        raise ClientNotMaster("no client certificate was presented")
+    try:
+        cert = x509.load_der_x509_certificate(der)
+    except ValueError as exc:
+        raise ClientNotMaster(f"the client certificate cannot be parsed: {exc}") from None
+    try:
+        eku = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        raise ClientNotMaster("the client certificate has no extended key usage") from None
+    if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
+        raise ClientNotMaster("the client certificate lacks EKU clientAuth")
+    uris = _uri_sans(cert)
+    if len(uris) != 1:
+        raise ClientNotMaster(
+            f"the client certificate has {len(uris)} URI SANs; the master's has exactly one"
+        )
+    if uris[0] != MASTER_SPIFFE_ID:
+        raise ClientNotMaster(
+            f"the client certificate is {uris[0]!r}, not the master ({MASTER_SPIFFE_ID})"
+        )

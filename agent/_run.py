@@ -1,0 +1,72 @@
+"""Running the agent as a service: logging, identity (bootstrap), serve until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from agent._config import AgentConfig
+from agent._enroll import bootstrap_enroll
+from agent._errors import AgentError
+from agent._identity import Identity, ensure_state_directory
+from agent._server import AgentServer
+
+__all__ = ["configure_logging", "run_agent", "serve"]
+
+log = logging.getLogger("mirbad.agent")
+
+
+def configure_logging(level: str) -> None:
+    """One line per record on stderr (journald and Docker collect it from there)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("mirbad")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+async def serve(
+    config: AgentConfig, identity: Identity, *, stop: asyncio.Event | None = None
+) -> None:
+    """Serve until ``stop`` is set or SIGTERM/SIGINT arrives."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    server = AgentServer(config=config, identity=identity)
+    try:
+        await server.start()
+        await stop.wait()
+        log.info("Stopping (signal received)")
+    finally:
+        await server.stop()
+
+
+def run_agent(config: AgentConfig) -> int:
+    """``python -m agent run``: returns the process exit code."""
+    configure_logging(config.log_level)
+    try:
+        ensure_state_directory(config.state_directory)
+        identity = bootstrap_enroll(config)
+    except AgentError as exc:
+        log.error("%s", exc)
+        print(f"agent: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"agent: {config.state_directory}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(serve(config, identity))
+    except OSError as exc:
+        # Typically the port is taken; say which one.
+        print(
+            f"agent: cannot listen on {config.listen_address}:{config.port}: {exc.strerror or exc}",
+            file=sys.stderr,
+        )
+        return 1
+    return 0

@@ -1,0 +1,339 @@
+"""The agent's HTTPS listener (aiohttp.web) and the wiring of its parts.
+
+:class:`AgentServer` is the composition root: it verifies the executables, starts the
+process runtime, the proxy and the health monitor, and serves the contract's endpoints
+(docs/agent-api.md) on ListenAddress:Port. The TLS handshake already requires a client
+certificate chained to our CA; the first middleware adds the role check (only the
+master may call) once per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import ssl
+import weakref
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from agent._config import AgentConfig
+from agent._errors import (
+    ApiError,
+    ClientNotMaster,
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+)
+from agent._events import EventBus
+from agent._executables import Catalogue
+from agent._identity import Identity, check_master_client_cert, server_ssl_context
+from agent._process import ProcessRuntime
+from agent._proxy import Proxy, Upstream
+from agent._telemetry import HealthMonitor, Telemetry, host_facts
+from agent._util import utc_now_iso
+from agent._version import PROTOCOL_VERSIONS, __version__
+
+__all__ = ["ERROR_HEADER", "AgentServer", "error_middleware"]
+
+log = logging.getLogger("mirbad.agent.server")
+T = TypeVar("T")
+
+FEATURES = ["runtime.llamacpp.process", "telemetry", "events"]
+
+
+ERROR_HEADER = "x-mirbad-agent-error"
+
+
+def error_response(code: str, message: str, status: int) -> web.Response:
+    """An agent error; the header tells the master's router it is not the engine's."""
+    return web.json_response(
+        {"error": {"code": code, "message": message}},
+        status=status,
+        headers={ERROR_HEADER: code},
+    )
+
+
+def _api_error_response(error: ApiError) -> web.Response:
+    response = web.json_response(
+        error.to_json(), status=error.status, headers={ERROR_HEADER: error.code}
+    )
+    return response
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Answer every error in the contract's JSON shape, whatever raised it."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _api_error_response(exc)
+    except web.HTTPNotFound:
+        return _api_error_response(NotFound(f"no such endpoint: {request.method} {request.path}"))
+    except web.HTTPMethodNotAllowed as exc:
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        return _api_error_response(
+            MethodNotAllowed(f"{request.method} is not allowed on {request.path}; use {allowed}")
+        )
+    except web.HTTPException as exc:
+        if exc.status >= 400:
+            return error_response("invalid_request", exc.reason, exc.status)
+        raise
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("Unexpected error on %s %s", request.method, request.path)
+        return error_response("internal_error", "unexpected agent error; see its log", 500)
+
+
+class AgentServer:
+    """The running agent: listener, runtime, proxy, telemetry and events."""
+
+    def __init__(
+        self,
+        *,
+        config: AgentConfig,
+        identity: Identity,
+        heartbeat_interval: float = 5.0,
+        ready_poll_interval: float = 0.5,
+        stop_grace_seconds: float = 10.0,
+    ) -> None:
+        self.config = config
+        self.identity = identity
+        self.boot_id = secrets.token_hex(16)
+        self.bus = EventBus()
+        self.catalogue = Catalogue(entries=config.executables)
+        self.telemetry = Telemetry(
+            models_root=config.models_root_path, state_directory=config.state_directory
+        )
+        self.health = HealthMonitor(
+            models_root=config.models_root_path,
+            state_directory=config.state_directory,
+            bus=self.bus,
+            interval=config.health_check_interval_seconds,
+            extra_checks=[self.catalogue.health_reasons],
+        )
+        self.runtime = ProcessRuntime(
+            config=config,
+            catalogue=self.catalogue,
+            bus=self.bus,
+            ready_poll_interval=ready_poll_interval,
+            stop_grace_seconds=stop_grace_seconds,
+        )
+        self.proxy = Proxy(
+            resolve=self._upstream,
+            max_in_flight=config.proxy_max_in_flight,
+            idle_timeout_seconds=config.proxy_upstream_idle_timeout_seconds,
+        )
+        self._heartbeat = heartbeat_interval
+        self._verdicts: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+        self._runner: web.AppRunner | None = None
+        self._facts = host_facts()
+        self.port: int | None = None
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Verify executables, start the parts, then listen (so /info is truthful at once)."""
+        self.config.models_root_path.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(self.catalogue.verify)
+        await self.runtime.start()
+        await self.proxy.start()
+        await self.health.refresh()
+        self.health.start()
+        self._runner = web.AppRunner(
+            self.build_app(),
+            handler_cancellation=True,
+            shutdown_timeout=self.config.shutdown_timeout_seconds,
+        )
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner,
+            self.config.listen_address,
+            self.config.port,
+            ssl_context=self.ssl_context(),
+        )
+        await site.start()
+        addresses = self._runner.addresses
+        self.port = addresses[0][1] if addresses else self.config.port
+        log.info(
+            "Agent %s %s listening on https://%s:%s (boot %s)",
+            self.config.node_id,
+            __version__,
+            self.config.listen_address,
+            self.port,
+            self.boot_id,
+        )
+
+    async def stop(self) -> None:
+        """Drain the listener, then stop every engine and the background tasks."""
+        self.bus.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        await self.runtime.close(stop_instances=self.config.stop_instances_on_shutdown)
+        await self.proxy.close()
+        await self.health.stop()
+        log.info("Agent stopped")
+
+    def ssl_context(self) -> ssl.SSLContext:
+        return server_ssl_context(self.identity)
+
+    def _upstream(self, instance_id: str) -> Upstream:
+        inst = self.runtime.upstream(instance_id)
+        assert inst.port is not None
+        return Upstream(port=inst.port, key=inst.key, served_name=inst.spec.served_name)
+
+    # -- app -------------------------------------------------------------------------
+
+    def build_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._client_cert_middleware, error_middleware])
+        r = app.router
+        r.add_get("/agent/v1/info", self.handle_info)
+        r.add_get("/agent/v1/status", self.handle_status)
+        r.add_get("/agent/v1/telemetry", self.handle_telemetry)
+        r.add_get("/agent/v1/events", self.handle_events)
+        r.add_get("/agent/v1/instances", self.handle_list)
+        r.add_post("/agent/v1/instances", self.handle_launch)
+        r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
+        r.add_delete("/agent/v1/instances/{instanceId}", self.handle_delete)
+        r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
+        r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
+        return app
+
+    @web.middleware
+    async def _client_cert_middleware(
+        self, request: web.Request, handler: Any
+    ) -> web.StreamResponse:
+        transport = request.transport
+        ssl_object = transport.get_extra_info("ssl_object") if transport else None
+        if ssl_object is None:
+            verdict: str | None = "the connection is not TLS"
+        elif ssl_object in self._verdicts:
+            verdict = self._verdicts[ssl_object]
+        else:
+            try:
+                check_master_client_cert(ssl_object.getpeercert(binary_form=True))
+                verdict = None
+            except ClientNotMaster as exc:
+                verdict = exc.message
+                peer = transport.get_extra_info("peername") if transport else None
+                log.warning("Refused a master client certificate: %s (peer %s)", verdict, peer)
+            self._verdicts[ssl_object] = verdict
+        if verdict is not None:
+            response = _api_error_response(
+                ClientNotMaster(f"only the master may call the agent: {verdict}")
+            )
+            response.force_close()
+            return response
+        return await handler(request)
+
+    # -- handlers --------------------------------------------------------------------
+
+    async def handle_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "nodeId": self.config.node_id,
+                "agentVersion": __version__,
+                "protocolVersions": list(PROTOCOL_VERSIONS),
+                "bootId": self.boot_id,
+                "time": utc_now_iso(),
+                **self._facts,
+                "spkiSha256": self.identity.spki_sha256,
+                "executables": [i.to_json() for i in self.catalogue.infos],
+                "features": FEATURES,
+            }
+        )
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {
+                "nodeId": self.config.node_id,
+                "bootId": self.boot_id,
+                "time": utc_now_iso(),
+                "health": {"reasons": self.health.reasons},
+                "instances": self.runtime.list(),
+                "telemetry": self.telemetry.sample(),
+            }
+        )
+
+    async def handle_telemetry(self, request: web.Request) -> web.Response:
+        return web.json_response(self.telemetry.sample())
+
+    async def handle_list(self, request: web.Request) -> web.Response:
+        return web.json_response({"instances": self.runtime.list()})
+
+    async def handle_launch(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        instance = await _complete(self.runtime.launch(body))
+        return web.json_response(instance, status=202)
+
+    async def handle_stop(self, request: web.Request) -> web.Response:
+        instance = await _complete(self.runtime.stop(request.match_info["instanceId"]))
+        return web.json_response(instance)
+
+    async def handle_delete(self, request: web.Request) -> web.Response:
+        await _complete(self.runtime.delete(request.match_info["instanceId"]))
+        return web.Response(status=204)
+
+    async def handle_events(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events: hello, then instance/health events and heartbeats."""
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        loop = asyncio.get_running_loop()
+        # Subscribe before hello: an event published right after hello is never lost.
+        with self.bus.subscribe() as subscription:
+            await response.prepare(request)
+            hello = {"bootId": self.boot_id, "nodeId": self.config.node_id}
+            await response.write(_sse(self.bus.next_seq(), "hello", hello))
+            next_beat = loop.time() + self._heartbeat
+            while True:
+                try:
+                    async with asyncio.timeout(max(0.0, next_beat - loop.time())):
+                        event = await subscription.get()
+                except TimeoutError:
+                    beat = _sse(self.bus.next_seq(), "heartbeat", {"time": utc_now_iso()})
+                    await response.write(beat)
+                    next_beat += self._heartbeat
+                    continue
+                if event is None:
+                    break
+                await response.write(_sse(event.seq, event.type, event.data))
+        return response
+
+
+async def _complete(operation: Coroutine[Any, Any, T]) -> T:
+    """Run a mutation to its end even if the master hangs up meanwhile.
+
+    aiohttp cancels a handler whose client disconnects; a launch or stop cut short
+    half way could leave an instance Starting without a process, or a process nobody
+    supervises. The shielded task finishes; only the answer is lost.
+    """
+    task = asyncio.ensure_future(operation)
+    task.add_done_callback(_consume_result)
+    return await asyncio.shield(task)
+
+
+def _consume_result(task: asyncio.Task[Any]) -> None:
+    # Marks the exception as retrieved when nobody is left to await the task.
+    if not task.cancelled():
+        task.exception()
+
+
+def _sse(seq: int, event_type: str, data: dict[str, Any]) -> bytes:
+    return f"id: {seq}\nevent: {event_type}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+async def _read_json(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None

@@ -1,0 +1,252 @@
+"""The streaming proxy against an in-process upstream (no TLS, no processes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agent import ModelNotRunning
+from agent._proxy import Proxy, Upstream
+from agent._server import error_middleware
+
+pytestmark = pytest.mark.timeout(30)
+
+
+@dataclass
+class Env:
+    base: str
+    proxy: Proxy
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    ready: bool = True
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/agent/v1/proxy/m-1{path}"
+
+
+def upstream_app(env_holder: dict[str, Env]) -> web.Application:
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response(
+            {
+                "method": request.method,
+                "rawPath": request.raw_path,
+                "headers": {k: v for k, v in request.headers.items()},
+                "body": body.decode(),
+            }
+        )
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        env = env_holder["env"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        try:
+            await asyncio.wait_for(env.release.wait(), 10)
+        except asyncio.CancelledError:
+            env.cancelled.set()
+            raise
+        await resp.write(b"data: second\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def stall(request: web.Request) -> web.Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            env_holder["env"].cancelled.set()
+            raise
+        return web.Response(text="late")
+
+    async def stall_mid(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"partial")
+        await asyncio.sleep(30)
+        return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/echo{tail:.*}", echo)
+    app.router.add_get("/sse", sse)
+    app.router.add_get("/stall", stall)
+    app.router.add_get("/stall-mid", stall_mid)
+    return app
+
+
+@pytest.fixture
+async def env() -> AsyncIterator[Env]:
+    holder: dict[str, Env] = {}
+    up_runner = web.AppRunner(upstream_app(holder), handler_cancellation=True)
+    await up_runner.setup()
+    up_site = web.TCPSite(up_runner, "127.0.0.1", 0)
+    await up_site.start()
+    up_port = up_runner.addresses[0][1]
+
+    def resolve(instance_id: str) -> Upstream:
+        if not holder["env"].ready:
+            raise ModelNotRunning(f"model 'demo' (instance {instance_id}) is Starting, not Ready")
+        return Upstream(port=up_port, key="instance-key", served_name="demo")
+
+    proxy = Proxy(resolve=resolve, max_in_flight=2, idle_timeout_seconds=0.5)
+    await proxy.start()
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", proxy.handle)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    holder["env"] = Env(base=f"http://127.0.0.1:{runner.addresses[0][1]}", proxy=proxy)
+    try:
+        yield holder["env"]
+    finally:
+        await runner.cleanup()
+        await proxy.close()
+        await up_runner.cleanup()
+
+
+async def test_headers_path_query_and_authorization(env: Env) -> None:
+    headers = {
+        "Authorization": "Bearer client-key",
+        "X-Custom": "yes",
+        "Connection": "keep-alive, X-Drop-Me",
+        "X-Drop-Me": "1",
+        "Proxy-Authorization": "Basic x",
+        "TE": "trailers",
+    }
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(env.url("/echo/a%2Fb?x=1&y=%20z"), data=b"hello", headers=headers) as resp,
+    ):
+        assert resp.status == 200
+        seen = await resp.json()
+    assert seen["method"] == "POST"
+    assert seen["rawPath"] == "/echo/a%2Fb?x=1&y=%20z"
+    assert seen["body"] == "hello"
+    up = {k.lower(): v for k, v in seen["headers"].items()}
+    assert up["authorization"] == "Bearer instance-key"
+    assert up["x-custom"] == "yes"
+    for dropped in ("x-drop-me", "proxy-authorization", "te"):
+        assert dropped not in up
+    assert up["host"].startswith("127.0.0.1:")
+
+
+async def test_engine_errors_pass_through_unmarked(env: Env) -> None:
+    async with aiohttp.ClientSession() as session, session.get(env.url("/missing")) as resp:
+        assert resp.status == 404
+        assert "x-mirbad-agent-error" not in resp.headers
+    env.ready = False
+    async with aiohttp.ClientSession() as session, session.get(env.url("/echo")) as resp:
+        assert resp.headers["x-mirbad-agent-error"] == "model_not_running"
+
+
+async def test_request_body_streams_chunked(env: Env) -> None:
+    async def body() -> AsyncIterator[bytes]:
+        for i in range(50):
+            yield f"{i:04d}".encode() * 1000
+
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(env.url("/echo"), data=body()) as resp,
+    ):
+        seen = await resp.json()
+    assert len(seen["body"]) == 50 * 4000
+    assert seen["body"].startswith("0000") and seen["body"].endswith("0049")
+
+
+async def test_sse_chunk_arrives_before_upstream_finishes(env: Env) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(env.url("/sse")) as resp,
+    ):
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream"
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first == b"data: first\n\n"
+        assert not env.release.is_set(), "upstream must still be waiting"
+        env.release.set()
+        rest = await asyncio.wait_for(resp.content.read(), 5)
+    assert rest == b"data: second\n\n"
+
+
+async def test_idle_timeout_before_headers_is_502(env: Env) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(env.url("/stall")) as resp,
+    ):
+        assert resp.status == 502
+        body = await resp.json()
+    assert body["error"] == {
+        "code": "upstream_unavailable",
+        "message": "Model 'demo' sent no response for 0.5 s; it may be stalled or overloaded.",
+    }
+
+
+async def test_idle_timeout_mid_stream_aborts(env: Env) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(env.url("/stall-mid")) as resp:
+            assert resp.status == 200
+            assert await resp.content.readexactly(7) == b"partial"
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(resp.content.read(), 5)
+
+
+async def test_in_flight_limit(env: Env) -> None:
+    async with aiohttp.ClientSession() as session:
+        held = [await session.get(env.url("/sse")) for _ in range(2)]
+        assert env.proxy.in_flight == 2
+        async with session.get(env.url("/echo")) as resp:
+            assert resp.status == 503
+            assert (await resp.json())["error"]["code"] == "server_busy"
+        env.release.set()
+        for resp in held:
+            await resp.read()
+            resp.release()
+    assert env.proxy.in_flight == 0
+
+
+async def test_not_ready_is_503(env: Env) -> None:
+    env.ready = False
+    async with aiohttp.ClientSession() as session, session.get(env.url("/echo")) as resp:
+        assert resp.status == 503
+        assert (await resp.json())["error"]["code"] == "model_not_running"
+
+
+async def test_client_disconnect_cancels_upstream(env: Env) -> None:
+    async with aiohttp.ClientSession() as session:
+        resp = await session.get(env.url("/sse"))
+        await resp.content.readuntil(b"\n\n")
+        resp.close()  # drop the connection mid-stream
+    await asyncio.wait_for(env.cancelled.wait(), 5)
+    await asyncio.sleep(0.1)
+    assert env.proxy.in_flight == 0
+
+
+async def test_upstream_down_is_502() -> None:
+    def resolve(instance_id: str) -> Upstream:
+        return Upstream(port=1, key="k", served_name="demo")
+
+    proxy = Proxy(resolve=resolve, max_in_flight=4, idle_timeout_seconds=0)
+    await proxy.start()
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", proxy.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}/agent/v1/proxy/m-1/v1/models"
+        async with aiohttp.ClientSession() as session, session.get(url) as resp:
+            assert resp.status == 502
+            body: dict[str, Any] = json.loads(await resp.text())
+        assert body["error"]["code"] == "upstream_unavailable"
+        assert "could not be reached" in body["error"]["message"]
+    finally:
+        await runner.cleanup()
+        await proxy.close()

@@ -1,0 +1,154 @@
+"""Launch spec guardrails: refused flags, placeholders, env, model path confinement."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from agent_support import launch_body
+
+from agent import InvalidRequest, SpecRejected
+from agent._spec import (
+    check_args,
+    check_env,
+    fingerprint,
+    parse_launch_spec,
+    resolve_model_path,
+    substitute,
+)
+
+GOOD = ("-m", "{model}", "--alias", "demo", "--host", "127.0.0.1", "--port", "{port}")
+
+
+def test_good_args_return_alias() -> None:
+    assert check_args(GOOD) == "demo"
+    assert check_args(("-a", "x/y:z", "--port", "{port}")) == "x/y:z"
+    assert check_args(("--alias=q", "--host=127.0.0.1", "--port", "{port}")) == "q"
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (("--host", "0.0.0.0"), "--host"),
+        (("--host=::",), "--host"),
+        (("--port", "8080"), "--port"),
+        (("--port={port}",), "--port"),
+        (("--api-key", "secret"), "--api-key"),
+        (("--api-key=secret",), "--api-key"),
+        (("--api-key-file", "/etc/k"), "--api-key-file"),
+        (("--log-file", "/tmp/x"), "--log-file"),
+        (("--chat-template-file", "/x/{model}.j2"), "placeholder"),
+        (("{port}",), "only follow --port"),
+    ],
+)
+def test_refused_args(extra: tuple[str, ...], needle: str) -> None:
+    with pytest.raises(SpecRejected, match=r"refused|placeholder|only follow") as info:
+        check_args(GOOD + extra)
+    assert needle in info.value.message
+
+
+def test_port_and_alias_required() -> None:
+    with pytest.raises(SpecRejected, match=r"--port \{port\}"):
+        check_args(("--alias", "d"))
+    with pytest.raises(SpecRejected, match="--alias"):
+        check_args(("--port", "{port}"))
+
+
+@pytest.mark.parametrize(
+    "name", ["LLAMA_API_KEY", "PATH", "LD_PRELOAD", "LD_LIBRARY_PATH", "LLAMA_ARG_HOST", "1BAD"]
+)
+def test_refused_env(name: str) -> None:
+    with pytest.raises(SpecRejected):
+        check_env(((name, "x"),))
+
+
+def test_allowed_env() -> None:
+    check_env((("CUDA_VISIBLE_DEVICES", "GPU-1"), ("OMP_NUM_THREADS", "2")))
+
+
+def test_model_path_resolves_inside_root(models_root: Path) -> None:
+    path = resolve_model_path(models_root, "demo", "demo.gguf")
+    assert path == (models_root / "demo" / "demo.gguf").resolve()
+
+
+@pytest.mark.parametrize(
+    ("folder", "file", "needle"),
+    [
+        ("..", "x.gguf", "model.folder"),
+        (".", "demo.gguf", "model.folder"),
+        ("a/b", "x.gguf", "model.folder"),
+        ("demo", "../demo/demo.gguf", "model.file"),
+        ("demo", "..", "model.file"),
+        ("demo", "missing.gguf", "does not exist"),
+        ("nofolder", "demo.gguf", "does not exist"),
+    ],
+)
+def test_model_path_refusals(models_root: Path, folder: str, file: str, needle: str) -> None:
+    with pytest.raises(SpecRejected, match="model") as info:
+        resolve_model_path(models_root, folder, file)
+    assert needle in info.value.message
+
+
+def test_prefix_trap_models2(tmp_path: Path) -> None:
+    """/x/models2 shares a string prefix with /x/models but is not inside it."""
+    root = tmp_path / "models"
+    (root).mkdir()
+    outside = tmp_path / "models2" / "evil"
+    outside.mkdir(parents=True)
+    (outside / "evil.gguf").write_bytes(b"x")
+    os.symlink(outside, root / "evil")
+    with pytest.raises(SpecRejected, match="outside the models root"):
+        resolve_model_path(root, "evil", "evil.gguf")
+
+
+def test_symlink_leaving_root_refused(models_root: Path, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.txt"
+    secret.write_text("s")
+    os.symlink(secret, models_root / "demo" / "link.gguf")
+    with pytest.raises(SpecRejected, match="outside the models root"):
+        resolve_model_path(models_root, "demo", "link.gguf")
+
+
+def test_symlink_inside_root_allowed(models_root: Path) -> None:
+    (models_root / "other").mkdir()
+    os.symlink(models_root / "demo" / "demo.gguf", models_root / "other" / "alias.gguf")
+    path = resolve_model_path(models_root, "other", "alias.gguf")
+    assert path == (models_root / "demo" / "demo.gguf").resolve()
+
+
+def test_models_root_itself_a_symlink(tmp_path: Path, models_root: Path) -> None:
+    link = tmp_path / "models-link"
+    os.symlink(models_root, link)
+    assert resolve_model_path(link, "demo", "demo.gguf").is_file()
+
+
+def test_substitute_and_fingerprint(tmp_path: Path) -> None:
+    spec = parse_launch_spec(launch_body(env={"B": "1", "A": "2"}))
+    argv = substitute(spec.args, model_path=tmp_path / "m.gguf", port=8123)
+    assert argv[1] == str(tmp_path / "m.gguf") and argv[-1] == "8123"
+    first = fingerprint(spec, "0.6.0")
+    assert first.startswith("sha256:") and len(first) == 7 + 64
+    # Env values do not count, names do; the version counts.
+    assert fingerprint(parse_launch_spec(launch_body(env={"A": "x", "B": "y"})), "0.6.0") == first
+    assert fingerprint(parse_launch_spec(launch_body(env={"A": "x"})), "0.6.0") != first
+    assert fingerprint(spec, "0.7.0") != first
+
+
+def test_fingerprint_is_documented_formula() -> None:
+    import hashlib
+    import json
+
+    spec = parse_launch_spec(launch_body(env={"Z": "1"}, servedName="démo"))
+    payload = {"argv": list(spec.args), "executable": "v", "env": ["Z"]}
+    text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    assert fingerprint(spec, "v") == "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_parse_names_fields() -> None:
+    with pytest.raises(InvalidRequest, match="'modelId'"):
+        parse_launch_spec(launch_body(modelId=True))
+    with pytest.raises(InvalidRequest, match=r"'executable\.version'"):
+        parse_launch_spec(launch_body(executable={"name": "llama.cpp", "version": 3}))
+    spec = parse_launch_spec({**launch_body(), "futureField": 1, "env": None})
+    assert spec.env == ()

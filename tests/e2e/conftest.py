@@ -1,0 +1,217 @@
+"""Real processes: ``./mirbad up`` as a user runs it, on free loopback ports.
+
+A :class:`Stack` starts the launcher (web, enroll listener, monitor, Celery,
+the local agent, Redis unless one is configured) in a temporary data
+directory, reads its printed lines, and stops it at the end, killing anything
+left behind that belongs to that directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def llama_server_or_fail() -> Path:
+    """The llama-server ``./mirbad test`` laid out; its absence is an install failure."""
+    value = os.environ.get("MIRBAD_TEST_LLAMA_SERVER")
+    if value and Path(value).exists():
+        return Path(value)
+    message = (
+        "MIRBAD_TEST_LLAMA_SERVER is not set to a llama-server: run the suite with "
+        "'./mirbad test', which builds and lays out llama-server first"
+    )
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+class Stack:
+    def __init__(self, data: Path, env: dict[str, str]) -> None:
+        self.data = data
+        self.env = env
+        self.port = int(env["MIRBAD_PORT"])
+        self.process: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self._reader: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *args: str, timeout: float = 240.0) -> dict[str, str]:
+        self.lines = []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mirbad_site.launcher", "up", *args],
+            cwd=ROOT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if "Ready." in self.lines:
+                return self.facts()
+            if self.process.poll() is not None:
+                time.sleep(0.5)
+                break
+            time.sleep(0.2)
+        self.print_logs()
+        raise AssertionError("mirbad up did not print Ready.:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def facts(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for line in self.lines:
+            for key in ("Console", "Admin", "API key"):
+                if line.startswith(f"{key}: "):
+                    out[key] = line[len(key) + 2 :]
+            if line.startswith("curl "):
+                out["curl"] = line
+        return out
+
+    def pid(self, name: str) -> int:
+        return int((self.data / "run" / f"{name}.pid").read_text())
+
+    def stop(self, timeout: float = 60.0) -> int:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+    def print_logs(self) -> None:
+        for log in sorted((self.data / "logs").glob("*.log")):
+            tail = log.read_text(errors="replace").splitlines()[-30:]
+            print(f"--- {log.name} ---\n" + "\n".join(tail))
+
+    def leftovers(self) -> list[psutil.Process]:
+        """Processes still running that were started for this data directory."""
+        found = []
+        marker = str(self.data)
+        for proc in psutil.process_iter(["cmdline", "environ"]):
+            try:
+                cmd = " ".join(proc.info["cmdline"] or [])
+                env = proc.info.get("environ") or {}
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            if proc.pid == os.getpid():
+                continue
+            if marker in cmd or env.get("MIRBAD_DATA_PATH") == marker:
+                found.append(proc)
+        return found
+
+    def kill_leftovers(self) -> None:
+        for proc in self.leftovers():
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def _fresh_database(env: dict[str, str]) -> tuple[str, str] | None:
+    """A new PostgreSQL database on the configured server, or None for SQLite."""
+    url = env.get("MIRBAD_DATABASE_URL", "")
+    if not url.startswith(("postgres://", "postgresql://")):
+        return None
+    import psycopg
+
+    name = f"mirbad_e2e_{uuid.uuid4().hex[:10]}"
+    parts = urlsplit(url)
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return admin, urlunsplit(parts._replace(path=f"/{name}"))
+
+
+@pytest.fixture
+def make_stack(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
+    """Build a stack; ``embedded=True`` drops the configured DB and Redis (the default)."""
+    stacks: list[Stack] = []
+    databases: list[tuple[str, str]] = []
+
+    def build(*, embedded: bool) -> Stack:
+        data = tmp_path / f"var{len(stacks)}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+        env.update(
+            {
+                "MIRBAD_DATA_PATH": str(data),
+                "MIRBAD_PORT": str(free_port()),
+                "MIRBAD_ENROLL_PORT": str(free_port()),
+                "MIRBAD_AGENT_PORT": str(free_port()),
+                "MIRBAD_BUILD_CACHE": os.environ.get(
+                    "MIRBAD_BUILD_CACHE", str(Path.home() / ".cache" / "mirbad" / "llama-server")
+                ),
+            }
+        )
+        if not embedded:
+            for key in ("MIRBAD_DATABASE_URL", "MIRBAD_REDIS_URL"):
+                if os.environ.get(key):
+                    env[key] = os.environ[key]
+            created = _fresh_database(env)
+            if created:
+                databases.append(created)
+                env["MIRBAD_DATABASE_URL"] = created[1]
+            if env.get("MIRBAD_REDIS_URL", "").startswith("redis://"):
+                # A database of its own on the shared server, emptied first.
+                import redis
+
+                url = urlsplit(env["MIRBAD_REDIS_URL"])
+                env["MIRBAD_REDIS_URL"] = urlunsplit(url._replace(path="/2"))
+                redis.Redis.from_url(env["MIRBAD_REDIS_URL"]).flushdb()
+        stack = Stack(data, env)
+        stacks.append(stack)
+        return stack
+
+    yield build
+    for stack in stacks:
+        if stack.process is not None and stack.process.poll() is None:
+            stack.stop()
+        stack.kill_leftovers()
+    for admin, url in databases:
+        import psycopg
+
+        name = urlsplit(url).path.lstrip("/")
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = predicate()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")

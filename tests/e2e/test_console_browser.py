@@ -1,0 +1,92 @@
+"""The Overview in headless Chromium updates live over the websocket, without a reload."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import ROOT, llama_server_or_fail
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+]
+
+
+def test_overview_live(make_stack, tmp_path: Path) -> None:
+    if not CHROMIUM.exists():
+        pytest.fail("Debian's chromium is not installed: 'apt-get install chromium'")
+    from playwright.sync_api import expect, sync_playwright
+
+    llama_server_or_fail()
+    stack = make_stack(embedded=False)
+    subprocess.run(
+        [
+            sys.executable, "-m", "agent", "install-llama-server",
+            "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
+        ],
+        cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    from agent import write_tiny_gguf
+
+    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    facts = stack.start()
+    user, password = facts["Admin"].split(" ", 1)
+    key = facts["API key"]
+    api = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(
+            executable_path=str(CHROMIUM), args=ARGS, headless=True, env={**os.environ}
+        )
+        page = browser.new_page()
+        page.goto(f"{stack.url}/")
+        assert "/login/" in page.url  # the console needs a login
+        page.fill("input[name=username]", user)
+        page.fill("input[name=password]", password)
+        page.click("#login")
+        page.wait_for_url(f"{stack.url}/")
+        expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+        node_state = page.locator('tr[data-node="local"] .state')
+        expect(node_state).to_have_text("Online", timeout=15_000)
+        page.evaluate("window.__noReload = 42")
+
+        created = api.post(
+            "/api/models",
+            json={
+                "servedName": "tiny",
+                "sourceFolder": "tiny",
+                "sourceFile": "tiny.gguf",
+                "settings": {"context_size": 256, "gpu_layers": 0},
+                "node": "local",
+            },
+        ).json()
+        assert api.post(f"/api/models/{created['id']}/start").status_code == 202
+        model_state = page.locator(f'tr[data-model="{created["id"]}"] .state')
+        expect(model_state).to_have_text("Ready", timeout=60_000)
+        cpu = page.locator('tr[data-node="local"] .cpu')
+        expect(cpu).to_have_text(__import__("re").compile(r"\d+ %"), timeout=15_000)
+        page.screenshot(path=str(tmp_path / "overview-ready.png"))
+
+        psutil.Process(stack.pid("agent")).kill()
+        t0 = time.monotonic()
+        expect(node_state).to_have_text("Offline", timeout=30_000)
+        expect(model_state).to_have_text("Offline", timeout=5_000)
+        print(f"the page showed Offline {time.monotonic() - t0:.1f} s after the kill")
+        assert page.evaluate("window.__noReload") == 42, "the page was reloaded"
+        browser.close()

@@ -1,0 +1,102 @@
+"""Node state rules, the Overview page and its websocket."""
+
+from __future__ import annotations
+
+import pytest
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from nodes import events
+from nodes.states import NodeState, compute_state
+from tests.factories import make_model, make_node, set_status
+
+
+def _state(**overrides: object) -> NodeState:
+    base: dict[str, object] = {
+        "approved": True,
+        "revoked": False,
+        "enrolled": True,
+        "connected": True,
+        "seconds_since_contact": 1.0,
+        "incompatible": False,
+        "reasons": [],
+    }
+    base.update(overrides)
+    return compute_state(**base)  # type: ignore[arg-type]
+
+
+def test_state_rules() -> None:
+    assert _state() == NodeState.ONLINE
+    assert _state(reasons=[{"code": "model_root_low"}]) == NodeState.DEGRADED
+    assert _state(seconds_since_contact=15.1) == NodeState.OFFLINE
+    assert _state(seconds_since_contact=14.9) == NodeState.ONLINE
+    assert _state(connected=False) == NodeState.OFFLINE
+    assert _state(incompatible=True) == NodeState.INCOMPATIBLE
+    assert _state(approved=False) == NodeState.PENDING_APPROVAL
+    assert _state(revoked=True) == NodeState.REVOKED
+    assert _state(pending_takeover=True) == NodeState.PENDING_TAKEOVER
+
+
+@pytest.mark.django_db
+def test_overview_needs_login_and_lists_nodes_and_models(operator, status_redis) -> None:
+    client = Client()
+    response = client.get("/")
+    assert response.status_code == 302 and response["Location"].startswith("/login/")
+    node = make_node("n1")
+    set_status(node, "Online")
+    make_model("demo", node)
+    client.force_login(operator)
+    page = client.get("/").content.decode()
+    assert 'data-node="n1"' in page and "Online" in page and "40 %" in page
+    assert "demo" in page and "live.js" in page
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_fleet_websocket_forwards_typed_events(operator) -> None:
+    # The session middleware would load the user; the consumer is tested on its own.
+    from nodes.consumers import FleetConsumer
+
+    communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
+    communicator.scope["user"] = operator
+    connected, _ = await communicator.connect()
+    assert connected
+    event = events.NodeUpdated(
+        type="node.updated",
+        node=events.NodeSummary(
+            nodeId="n1",
+            state="Offline",
+            reasons=[],
+            cpuPercent=None,
+            memoryPercent=None,
+            memoryUsedBytes=None,
+            memoryTotalBytes=None,
+            lastSeen=None,
+        ),
+    )
+    await events.publish([events.FLEET_GROUP], event)
+    received = await communicator.receive_json_from(timeout=5)
+    assert received["type"] == "node.updated" and received["node"]["state"] == "Offline"
+    await communicator.disconnect()
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_fleet_websocket_refuses_anonymous() -> None:
+    from django.contrib.auth.models import AnonymousUser
+
+    from nodes.consumers import FleetConsumer
+
+    communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
+    communicator.scope["user"] = AnonymousUser()
+    connected, code = await communicator.connect()
+    assert not connected and code == 4401
+
+
+@pytest.mark.django_db
+def test_bundle_renewal_task_writes_and_keeps_the_bundle() -> None:
+    from nodes import services, tasks
+
+    first = tasks.renew_bootstrap_bundle()
+    assert first is not None
+    token = services.bundle_path().read_text()
+    assert tasks.renew_bootstrap_bundle() == first
+    assert services.bundle_path().read_text() == token
