@@ -52,21 +52,27 @@ def ensure_llama_server() -> Path:
     return existing[-1].parent / "llama-server"
 
 
-def ensure_chromium() -> None:
-    if CHROMIUM.exists():
+def ensure_debian_packages() -> None:
+    """Chromium (browser tests) and curl (the e2e test runs the printed curl line)."""
+    missing = [
+        package
+        for package, present in (
+            ("chromium", CHROMIUM.exists()),
+            ("curl", shutil.which("curl") is not None),
+        )
+        if not present
+    ]
+    if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        note("Debian's chromium is missing and cannot be installed here (needs root and apt-get);")
-        note("install it with 'apt-get install chromium': the browser tests will fail without it")
+        note(f"missing Debian packages {', '.join(missing)} and no root/apt-get to install them;")
+        note(f"install them with 'apt-get install {' '.join(missing)}': tests that need them fail")
         return
-    note("installing Debian's chromium for the browser tests")
+    note(f"installing Debian packages for the tests: {', '.join(missing)}")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-q"], check=True, env=env, stdout=subprocess.DEVNULL)
     subprocess.run(
-        ["apt-get", "install", "-y", "-q", "chromium"],
-        check=True,
-        env=env,
-        stdout=subprocess.DEVNULL,
+        ["apt-get", "install", "-y", "-q", *missing], check=True, env=env, stdout=subprocess.DEVNULL
     )
 
 
@@ -116,7 +122,7 @@ def test(args: list[str]) -> int:
     os.environ["MIRBAD_TEST_LLAMA_SERVER"] = str(ensure_llama_server())
     # The suite's own data directory: never the developer's ./var.
     os.environ.setdefault("MIRBAD_DATA_PATH", tempfile.mkdtemp(prefix="mirbad-test-data-"))
-    ensure_chromium()
+    ensure_debian_packages()
     with redis_for_tests():
         code = subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
     if code == 5:

@@ -47,7 +47,8 @@ def _describe(exc: Exception) -> str:
     cause: BaseException | None = exc
     while cause is not None:
         if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"the agent's certificate was refused: {cause.verify_message or cause}"
+            detail = getattr(cause, "verify_message", None) or str(cause)
+            return f"the agent's certificate was refused: {detail}"
         cause = cause.__cause__ or cause.__context__
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 

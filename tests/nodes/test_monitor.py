@@ -1,0 +1,140 @@
+"""The monitor's steps against a real agent server in this process.
+
+The agent's certificate comes from the master's own enrollment service and
+CA, so the pinned TLS context is exercised exactly as in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from asgiref.sync import sync_to_async
+
+from agent import AgentConfig, AgentServer
+from agent._identity import generate_key_and_csr, load_identity, store_identity
+from nodes import services, status_cache
+from nodes.agent_client import AgentUnreachable
+from nodes.models import Node
+from nodes.monitor import NodeWorker
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("close_db_after", "status_redis"),
+]
+
+
+@dataclass
+class Enrolled:
+    node: Node
+    server: AgentServer
+
+
+def _enroll(state_dir: Path) -> Node:
+    token = services.create_token(node_id="n1", purpose="join", lifetime=dt.timedelta(hours=1))
+    key, csr = generate_key_and_csr("n1")
+    answer = services.enroll(token=token, node_id="n1", csr_pem=csr.decode(), addresses=[])
+    store_identity(
+        state_dir, key=key, cert_pem=answer["certPem"].encode(), ca_pem=answer["caCertPem"].encode()
+    )
+    Node.objects.filter(node_id="n1").update(approved=True)
+    return Node.objects.get(node_id="n1")
+
+
+@pytest.fixture
+async def enrolled(tmp_path: Path) -> AsyncIterator[Enrolled]:
+    state = tmp_path / "state"
+    node = await sync_to_async(_enroll)(state)
+    config = AgentConfig(
+        node_id="n1", state_directory=state, models_root=tmp_path / "models", port=0
+    )
+    (tmp_path / "models").mkdir()
+    server = AgentServer(
+        config=config, identity=load_identity(state, node_id="n1"), heartbeat_interval=0.2
+    )
+    await server.start()
+    node.address = f"https://127.0.0.1:{server.port}"
+    await sync_to_async(node.save)()
+    try:
+        yield Enrolled(node=node, server=server)
+    finally:
+        await server.stop()
+
+
+async def test_connect_takes_info_and_snapshot(enrolled: Enrolled) -> None:
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        status = await status_cache.aread("n1")
+        assert status is not None and status["state"] == "Online"
+        assert status["bootId"] == enrolled.server.boot_id
+        assert status["agentVersion"] == "0.1.0"
+        assert abs(status["clockSkewSeconds"]) < 5
+        stored = await sync_to_async(Node.objects.get)(node_id="n1")
+        assert stored.os and stored.arch and stored.protocol_version == 1
+        sample = await worker.client.telemetry()
+        assert sample["memory"]["totalBytes"] > 0
+    finally:
+        await worker.client.aclose()
+
+
+async def test_events_keep_the_node_in_contact(enrolled: Enrolled) -> None:
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        before = worker.last_contact
+        seen: list[str] = []
+
+        async def follow() -> None:
+            async for name, data in worker.client.events(read_timeout=5):
+                await worker.handle_event(name, data)
+                seen.append(name)
+                if "heartbeat" in seen:
+                    return
+
+        await asyncio.wait_for(follow(), timeout=10)
+        assert seen[0] == "hello" and "heartbeat" in seen
+        assert worker.last_contact is not None and before is not None
+        assert worker.last_contact >= before
+    finally:
+        await worker.client.aclose()
+
+
+async def test_silent_node_goes_offline_after_15_seconds(enrolled: Enrolled) -> None:
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        worker.connected = False
+        assert worker.last_contact is not None
+        await worker.recompute(now=worker.last_contact + 14)
+        assert worker.status["state"] == "Online"
+        await worker.recompute(now=worker.last_contact + 16)
+        assert worker.status["state"] == "Offline"
+    finally:
+        await worker.client.aclose()
+
+
+async def test_wrong_pin_is_refused_in_the_handshake(enrolled: Enrolled) -> None:
+    node = enrolled.node
+    node.spki_pin = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+    worker = NodeWorker(node=node, stop=asyncio.Event())
+    try:
+        with pytest.raises(AgentUnreachable, match="does not match the node's pin"):
+            await worker.connect()
+    finally:
+        await worker.client.aclose()
+
+
+async def test_another_node_id_is_refused(enrolled: Enrolled) -> None:
+    node = enrolled.node
+    node.node_id = "n2"  # we dial n1's address but expect n2
+    worker = NodeWorker(node=node, stop=asyncio.Event())
+    try:
+        with pytest.raises(AgentUnreachable, match="not spiffe://mirbadllm/node/n2"):
+            await worker.connect()
+    finally:
+        await worker.client.aclose()
