@@ -119,6 +119,25 @@ def _find_cmake(run: Runner) -> str:
     return found
 
 
+def _generator(run: Runner) -> list[str]:
+    """Make when the machine has it, else Ninja from PyPI (a bare machine may lack make)."""
+    if not any(shutil.which(cc) for cc in ("c++", "g++", "clang++")):
+        raise InstallError(
+            "building llama-server needs a C++ compiler; install one (Debian: apt-get install g++)"
+        )
+    if shutil.which("make"):
+        return []
+    venv_bin = str(Path(sys.executable).parent)
+    ninja = shutil.which("ninja") or shutil.which("ninja", path=venv_bin)
+    if not ninja:
+        _say("make not found; installing ninja with pip")
+        run([sys.executable, "-m", "pip", "install", "ninja"])
+        ninja = shutil.which("ninja", path=venv_bin) or shutil.which("ninja")
+    if not ninja:
+        raise InstallError("neither make nor ninja is available to drive the build")
+    return ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+
+
 def _copy_tree_flat(source: Path, dest: Path) -> None:
     """Copy the files of ``source`` (not recursive), keeping symlinks as symlinks."""
     dest.mkdir(parents=True, exist_ok=True)
@@ -158,7 +177,8 @@ def ensure_build(cache_dir: Path, *, run: Runner = _run, jobs: int | None = None
         cmake = _find_cmake(run)
         build = tmp / "build"
         _say(f"configuring (this and the build take about 10 minutes on 2 cores, -j{jobs})")
-        run([cmake, "-S", str(sources[0]), "-B", str(build), *CMAKE_FLAGS])
+        generator = _generator(run)
+        run([cmake, "-S", str(sources[0]), "-B", str(build), *generator, *CMAKE_FLAGS])
         run([cmake, "--build", str(build), "--target", BINARY, f"-j{jobs}"])
         built = build / "bin"
         if not (built / BINARY).is_file():
