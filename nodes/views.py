@@ -12,6 +12,10 @@ from nodes import status_cache
 from nodes.models import Node
 
 
+def _gib(value: object) -> float | None:
+    return value / 2**30 if isinstance(value, int | float) else None
+
+
 @login_required
 def overview(request: HttpRequest) -> HttpResponse:
     nodes = list(Node.objects.all())
@@ -33,8 +37,8 @@ def overview(request: HttpRequest) -> HttpResponse:
                 "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
                 "cpu": (status.get("telemetry") or {}).get("cpuPercent"),
                 "mem_percent": memory.get("percent"),
-                "mem_used": memory.get("usedBytes"),
-                "mem_total": memory.get("totalBytes"),
+                "mem_used_gib": _gib(memory.get("usedBytes")),
+                "mem_total_gib": _gib(memory.get("totalBytes")),
             }
         )
     model_rows = []

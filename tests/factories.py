@@ -39,6 +39,9 @@ def set_status(
             "reasons": [],
             "lastSeen": time.time(),
             "instances": instances or {},
-            "telemetry": {"cpuPercent": 3.0, "memory": {"percent": 40.0}},
+            "telemetry": {
+                "cpuPercent": 3.0,
+                "memory": {"percent": 40.0, "usedBytes": 4 * 2**30, "totalBytes": 10 * 2**30},
+            },
         }
     )

@@ -33,12 +33,22 @@
     return value === null || value === undefined ? "–" : Math.round(value) + " %";
   }
 
+  function ram(node) {
+    if (node.memoryPercent === null || node.memoryPercent === undefined) return "–";
+    const gib = function (b) { return (b / 1073741824).toFixed(1); };
+    if (node.memoryUsedBytes && node.memoryTotalBytes) {
+      return gib(node.memoryUsedBytes) + " / " + gib(node.memoryTotalBytes) + " GiB (" +
+        Math.round(node.memoryPercent) + " %)";
+    }
+    return pct(node.memoryPercent);
+  }
+
   function onNode(node) {
     const tr = row("nodes", "data-node", node.nodeId, ["id", "state", "cpu", "ram", "reasons"]);
     tr.children[0].textContent = node.nodeId;
     badge(tr.querySelector(".state"), node.state);
     tr.querySelector(".cpu").textContent = pct(node.cpuPercent);
-    tr.querySelector(".ram").textContent = pct(node.memoryPercent);
+    tr.querySelector(".ram").textContent = ram(node);
     tr.querySelector(".reasons").textContent = (node.reasons || []).join(", ");
   }
 

@@ -47,7 +47,7 @@ def test_overview_needs_login_and_lists_nodes_and_models(operator, status_redis)
     make_model("demo", node)
     client.force_login(operator)
     page = client.get("/").content.decode()
-    assert 'data-node="n1"' in page and "Online" in page and "40 %" in page
+    assert 'data-node="n1"' in page and "Online" in page and "4.0 / 10.0 GiB (40 %)" in page
     assert "demo" in page and "live.js" in page
 
 
