@@ -46,6 +46,7 @@ class MasterConfig:
     enroll_endpoint: str
     enroll_addresses: list[str]
     bootstrap_token_hours: int
+    join_token_minutes: int
     bootstrap_directory: Path
     log_level: str
 
@@ -132,6 +133,9 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         enroll_addresses=env_list("MIRBAD_ENROLL_ADDRESSES", ["127.0.0.1", "localhost"], env=env),
         bootstrap_token_hours=env_int(
             "MIRBAD_BOOTSTRAP_TOKEN_HOURS", 24, minimum=1, maximum=24 * 30, env=env
+        ),
+        join_token_minutes=env_int(
+            "MIRBAD_JOIN_TOKEN_MINUTES", 60, minimum=1, maximum=7 * 24 * 60, env=env
         ),
         bootstrap_directory=env_path(
             "MIRBAD_BOOTSTRAP_DIRECTORY", str(data_path / "bootstrap"), env=env

@@ -73,6 +73,9 @@ DATABASES = {"default": dj_database_url.parse(MIRBAD.database_url, conn_max_age=
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # Several processes share the file: wait for the writer instead of failing.
     DATABASES["default"]["OPTIONS"] = {"timeout": 20, "transaction_mode": "IMMEDIATE"}
+    # Tests use a file too: in-memory shared-cache SQLite fails concurrent writers at
+    # once ("table is locked") instead of waiting, unlike the real file.
+    DATABASES["default"]["TEST"] = {"NAME": str(MIRBAD.data_path / "test-db.sqlite3")}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 PASSWORD_HASHERS = [

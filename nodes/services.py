@@ -193,6 +193,18 @@ def enroll(
                 400,
             )
         node = Node.objects.select_for_update().filter(node_id=node_id).first()
+        if node is not None and node.revoked:
+            raise _refuse(
+                "node_revoked",
+                f"Node '{node_id}' is revoked; it cannot enroll again under that id.",
+                403,
+            )
+        if row.purpose == JoinToken.Purpose.JOIN and node is not None and node.enrolled:
+            raise _refuse(
+                "node_enrolled",
+                f"Node '{node_id}' is already enrolled; ask the operator for a rekey.",
+                409,
+            )
         if row.purpose == JoinToken.Purpose.BOOTSTRAP:
             if node is None or not node.is_bootstrap:
                 raise _refuse("invalid_request", f"'{node_id}' is not the bootstrap node.", 400)
@@ -257,3 +269,130 @@ def _context_cached(
         node_id=node_id,
         pins=pins,
     )
+
+
+def _node_or_404(node_id: str) -> Node:
+    from mirbad_site.errors import ServiceError
+
+    node = Node.objects.filter(node_id=node_id).first()
+    if node is None:
+        raise ServiceError(404, "not_found", f"Node '{node_id}' does not exist.")
+    return node
+
+
+def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> dict[str, object]:
+    """A single-use token for a new node and the exact command to run on it.
+
+    The token is returned once and stored only as its hash. A node id that is
+    already enrolled (or revoked) is refused: that is what rekey is for.
+    """
+    import re
+
+    from mirbad_site.config import NODE_ID_PATTERN
+    from mirbad_site.errors import ServiceError
+
+    if not isinstance(node_id, str) or not re.match(NODE_ID_PATTERN, node_id):
+        raise ServiceError(
+            400,
+            "invalid_request",
+            "nodeId: use lower-case letters, digits and '-', starting with a letter or digit "
+            "(at most 40 characters).",
+        )
+    cfg = config()
+    minutes = cfg.join_token_minutes if lifetime_minutes is None else lifetime_minutes
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10080:
+        raise ServiceError(
+            400, "invalid_request", "lifetimeMinutes: a whole number from 1 to 10080."
+        )
+    existing = Node.objects.filter(node_id=node_id).first()
+    if existing is not None and existing.revoked:
+        raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked; pick another id.")
+    if existing is not None and existing.enrolled:
+        raise ServiceError(
+            409, "node_enrolled", f"Node '{node_id}' is already enrolled; use rekey instead."
+        )
+    token = create_token(
+        node_id=node_id,
+        purpose=JoinToken.Purpose.JOIN,
+        lifetime=dt.timedelta(minutes=minutes),
+    )
+    ca_hash = "sha256:" + master_pki().ca.spki_sha256
+    expires = timezone.now() + dt.timedelta(minutes=minutes)
+    command = (
+        f"MIRBAD_JOIN_TOKEN=<token> python -m agent join --enroll-url {cfg.enroll_endpoint} "
+        f"--ca-hash {ca_hash} --node-id {node_id} --state-dir /var/lib/mirbad-agent "
+        "--address https://<this machine>:9443"
+    )
+    log.info("Created a join token for node %s (expires %s)", node_id, expires.isoformat())
+    return {
+        "nodeId": node_id,
+        "token": token,
+        "expiresAt": expires.isoformat(),
+        "enrollUrl": cfg.enroll_endpoint,
+        "caHash": ca_hash,
+        "command": command,
+    }
+
+
+def approve_node(node_id: str) -> Node:
+    """Approval is the trust gate: before it the monitor sends the node nothing."""
+    from mirbad_site.errors import ServiceError
+
+    node = _node_or_404(node_id)
+    if node.revoked:
+        raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked.")
+    if not node.enrolled:
+        raise ServiceError(409, "invalid_state", f"Node '{node_id}' has not enrolled yet.")
+    if not node.approved:
+        node.approved = True
+        node.save(update_fields=["approved", "updated_at"])
+        log.info("Approved node %s (key SHA256:%s)", node_id, node.spki_pin)
+    return node
+
+
+def revoke_node(node_id: str) -> Node:
+    """Drop the node's pins and refuse it from now on (connections and enrollment)."""
+    from nodes import status_cache
+
+    node = _node_or_404(node_id)
+    node.revoked = True
+    node.spki_pin = ""
+    node.pending_pin = ""
+    node.save(update_fields=["revoked", "spki_pin", "pending_pin", "updated_at"])
+    JoinToken.objects.filter(node_id=node_id, used_at__isnull=True).delete()
+    status_cache.write({"nodeId": node_id, "state": "Revoked", "reasons": [], "lastSeen": None})
+    log.warning("Revoked node %s", node_id)
+    return node
+
+
+def set_draining(node_id: str, draining: bool) -> Node:
+    """Draining: no new starts or placements; running models keep serving."""
+    node = _node_or_404(node_id)
+    if node.draining != draining:
+        node.draining = draining
+        node.save(update_fields=["draining", "updated_at"])
+        log.info("Node %s draining: %s", node_id, draining)
+    return node
+
+
+def announce(node: Node) -> None:
+    """Publish a node's registry change (approved, revoked, draining) to the console."""
+    from asgiref.sync import async_to_sync
+
+    from nodes import events, status_cache
+    from nodes.states import registry_state
+
+    status = status_cache.read(node.node_id) or {"nodeId": node.node_id}
+    fixed = registry_state(approved=node.approved, revoked=node.revoked)
+    summary = {
+        "nodeId": node.node_id,
+        "state": fixed.value if fixed else status.get("state", "Offline"),
+        "reasons": [r.get("code", "") for r in status.get("reasons", [])],
+        "cpuPercent": None,
+        "memoryPercent": None,
+        "memoryUsedBytes": None,
+        "memoryTotalBytes": None,
+        "lastSeen": status.get("lastSeen"),
+    }
+    event = events.NodeUpdated(type="node.updated", node=summary)  # type: ignore[typeddict-item]
+    async_to_sync(events.publish)([events.FLEET_GROUP, events.node_group(node.node_id)], event)

@@ -47,3 +47,12 @@ def compute_state(
     if reasons:
         return NodeState.DEGRADED
     return NodeState.ONLINE
+
+
+def registry_state(*, approved: bool, revoked: bool) -> NodeState | None:
+    """The state the registry alone decides; None means the live status cache decides."""
+    if revoked:
+        return NodeState.REVOKED
+    if not approved:
+        return NodeState.PENDING_APPROVAL
+    return None

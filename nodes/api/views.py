@@ -9,8 +9,16 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from mirbad_site.errors import ServiceError
-from nodes import status_cache
+from nodes import services, status_cache
 from nodes.models import Node
+from nodes.states import registry_state
+
+
+def node_state(node: Node, status: status_cache.NodeStatus | None) -> str:
+    fixed = registry_state(approved=node.approved, revoked=node.revoked)
+    if fixed is not None:
+        return fixed.value
+    return (status or {}).get("state", "Offline")
 
 
 def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, Any]:
@@ -25,7 +33,8 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "draining": node.draining,
         "bootstrap": node.is_bootstrap,
         "enrolled": node.enrolled,
-        "state": status.get("state", "Offline"),
+        "state": node_state(node, status),
+        "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else None,
         "reasons": status.get("reasons", []),
         "lastSeen": status.get("lastSeen"),
         "lastError": status.get("lastError", ""),
@@ -51,3 +60,34 @@ class NodeDetail(APIView):
         if node is None:
             raise ServiceError(404, "not_found", f"Node '{node_id}' does not exist.")
         return Response(node_json(node, status_cache.read(node_id)))
+
+
+def _status_of(node: Node) -> status_cache.NodeStatus | None:
+    return status_cache.read(node.node_id)
+
+
+class JoinTokenCreate(APIView):
+    """POST /api/join-tokens: a single-use token, shown once, and the join command."""
+
+    def post(self, request: Request) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        result = services.create_join_token(
+            node_id=body.get("nodeId"), lifetime_minutes=body.get("lifetimeMinutes")
+        )
+        return Response(result, status=201)
+
+
+class NodeAction(APIView):
+    """POST /api/nodes/{id}/approve | revoke | drain | undrain."""
+
+    action = ""
+
+    def post(self, request: Request, node_id: str) -> Response:
+        if self.action == "approve":
+            node = services.approve_node(node_id)
+        elif self.action == "revoke":
+            node = services.revoke_node(node_id)
+        else:
+            node = services.set_draining(node_id, self.action == "drain")
+        services.announce(node)
+        return Response(node_json(node, _status_of(node)))

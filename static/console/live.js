@@ -44,7 +44,9 @@
   }
 
   function onNode(node) {
-    const tr = row("nodes", "data-node", node.nodeId, ["id", "state", "cpu", "ram", "reasons"]);
+    const tr = row("nodes", "data-node", node.nodeId, [
+      "id", "state", "cpu", "ram", "reasons", "key", "actions",
+    ]);
     tr.children[0].textContent = node.nodeId;
     badge(tr.querySelector(".state"), node.state);
     tr.querySelector(".cpu").textContent = pct(node.cpuPercent);

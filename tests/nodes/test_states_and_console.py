@@ -100,3 +100,32 @@ def test_bundle_renewal_task_writes_and_keeps_the_bundle() -> None:
     token = services.bundle_path().read_text()
     assert tasks.renew_bootstrap_bundle() == first
     assert services.bundle_path().read_text() == token
+
+
+@pytest.mark.django_db
+def test_console_add_node_and_actions(operator, viewer, status_redis) -> None:
+    from nodes import services
+    from nodes.models import Node
+
+    client = Client()
+    client.force_login(viewer)
+    assert client.get("/nodes/add/").status_code == 302  # not staff: back to login
+    client.force_login(operator)
+    page = client.post("/nodes/add/", {"node_id": "gpu-1"}).content.decode()
+    assert 'id="join-token"' in page and "--node-id gpu-1" in page
+    bad = client.post("/nodes/add/", {"node_id": "Not Valid"}).content.decode()
+    assert "nodeId: use lower-case letters" in bad
+    token = services.create_join_token(node_id="gpu-2")["token"]
+    from tests.nodes.test_join import _csr
+
+    services.enroll(token=token, node_id="gpu-2", csr_pem=_csr("gpu-2"), addresses=[])
+    overview = client.get("/").content.decode()
+    assert 'data-action="approve"' in overview and "PendingApproval" in overview
+    assert client.post("/nodes/gpu-2/approve/").status_code == 302
+    assert Node.objects.get(node_id="gpu-2").approved
+    assert client.post("/nodes/gpu-2/drain/").status_code == 302
+    assert Node.objects.get(node_id="gpu-2").draining
+    assert client.post("/nodes/gpu-2/revoke/").status_code == 302
+    assert Node.objects.get(node_id="gpu-2").revoked
+    assert client.get("/nodes/gpu-2/revoke/").status_code == 405
+    assert client.post("/nodes/gpu-2/explode/").status_code == 404
