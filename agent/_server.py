@@ -30,6 +30,7 @@ from agent._errors import (
 )
 from agent._events import EventBus
 from agent._executables import Catalogue
+from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
 from agent._identity import Identity, check_master_client_cert, server_ssl_context
 from agent._process import ProcessRuntime
 from agent._proxy import Proxy, Upstream
@@ -132,6 +133,7 @@ class AgentServer:
         self._verdicts: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
         self._runner: web.AppRunner | None = None
         self._facts = host_facts()
+        self.fencing = Fencing(state_dir=config.state_directory)
         self.port: int | None = None
 
     # -- lifecycle -------------------------------------------------------------------
@@ -190,7 +192,9 @@ class AgentServer:
     # -- app -------------------------------------------------------------------------
 
     def build_app(self) -> web.Application:
-        app = web.Application(middlewares=[self._client_cert_middleware, error_middleware])
+        app = web.Application(
+            middlewares=[self._client_cert_middleware, error_middleware, self._fencing_middleware]
+        )
         r = app.router
         r.add_get("/agent/v1/info", self.handle_info)
         r.add_get("/agent/v1/status", self.handle_status)
@@ -231,6 +235,26 @@ class AgentServer:
             return response
         return await handler(request)
 
+    @web.middleware
+    async def _fencing_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Check the master's fencing triple before any mutation (not reads, not the proxy)."""
+        mutating = request.method in ("POST", "PUT", "DELETE", "PATCH") and not (
+            request.path.startswith("/agent/v1/proxy/")
+        )
+        if mutating:
+            try:
+                moved = await self.fencing.check(
+                    request.headers.get(MASTER_HEADER), request.headers.get(TIME_HEADER)
+                )
+            except ApiError as exc:
+                log.warning(
+                    "Refused %s %s: %s (%s).", request.method, request.path, exc.code, exc.message
+                )
+                raise
+            if moved:
+                self.bus.publish("fencing", {"accepted": self.fencing.to_json()})
+        return await handler(request)
+
     # -- handlers --------------------------------------------------------------------
 
     async def handle_info(self, request: web.Request) -> web.Response:
@@ -243,6 +267,7 @@ class AgentServer:
                 "time": utc_now_iso(),
                 **self._facts,
                 "spkiSha256": self.identity.spki_sha256,
+                "fencing": self.fencing.to_json(),
                 "executables": [i.to_json() for i in self.catalogue.infos],
                 "features": FEATURES,
             }

@@ -36,6 +36,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
 urlpatterns = [
     path("", console.overview, name="overview"),
     path("nodes/add/", console.add_node, name="add-node"),
+    path("takeover/", console.takeover, name="takeover"),
     path("nodes/<str:node_id>/<str:action>/", console.node_action, name="node-action"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
@@ -44,6 +45,7 @@ urlpatterns = [
     path("api/nodes", node_api.NodeList.as_view()),
     path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),
     path("api/join-tokens", node_api.JoinTokenCreate.as_view()),
+    path("api/takeover", node_api.Takeover.as_view()),
     path("api/nodes/<str:node_id>/approve", node_api.NodeAction.as_view(action="approve")),
     path("api/nodes/<str:node_id>/revoke", node_api.NodeAction.as_view(action="revoke")),
     path("api/nodes/<str:node_id>/drain", node_api.NodeAction.as_view(action="drain")),

@@ -183,6 +183,14 @@ def _agent_error(node: Node, exc: Exception) -> ServiceError:
     if isinstance(exc, AgentUnreachable):
         return ServiceError(503, "node_unreachable", f"Node {node.node_id}: {exc}")
     assert isinstance(exc, AgentRefused)
+    if exc.code in ("stale_master", "competing_master"):
+        # Another master drives this node: it is not serving us (PendingTakeover).
+        return ServiceError(
+            503,
+            exc.code,
+            f"Node {node.node_id} refused this master ({exc.code}): {exc.message}. "
+            "If this master should own the node, run a takeover.",
+        )
     status = exc.status if exc.status in (400, 404, 409, 422, 501, 503, 504) else 502
     return ServiceError(status, exc.code, f"Node {node.node_id}: {exc.message}")
 

@@ -14,7 +14,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+from django.conf import settings
 
+from nodes import fencing
 from nodes.models import Node
 from nodes.services import node_ssl_context
 
@@ -104,11 +106,17 @@ class AgentClient:
     def status(self) -> dict[str, Any]:
         return self._request("GET", "/status")
 
+    def _fenced(self) -> dict[str, str]:
+        try:
+            return fencing.request_headers(settings.MIRBAD.data_path)
+        except fencing.FencingError as exc:
+            raise AgentRefused(status=503, code="monitor_not_started", message=str(exc)) from None
+
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._request("POST", "/instances", json=spec)
+        return self._request("POST", "/instances", json=spec, headers=self._fenced())
 
     def stop(self, instance_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/instances/{instance_id}/stop")
+        return self._request("POST", f"/instances/{instance_id}/stop", headers=self._fenced())
 
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]

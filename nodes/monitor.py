@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 
-from nodes import events, status_cache
+from nodes import events, fencing, status_cache
 from nodes.agent_client import PROTOCOL_VERSIONS, AgentError, AsyncAgentClient
 from nodes.models import Node
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state
@@ -56,6 +57,7 @@ class NodeWorker:
         self.client = AsyncAgentClient(node=node)
         self.connected = False
         self.incompatible = False
+        self.agent_fencing: dict[str, Any] | None = None
         self.last_contact: float | None = None
         self.agent_reasons: list[dict[str, str]] = []
         self.clock_skew: float | None = None
@@ -103,6 +105,7 @@ class NodeWorker:
             connected=self.connected or (since is not None and since <= OFFLINE_AFTER_SECONDS),
             seconds_since_contact=since,
             incompatible=self.incompatible,
+            pending_takeover=self.pending_takeover(),
             reasons=reasons,
         )
         previous = self.status.get("state")
@@ -146,6 +149,14 @@ class NodeWorker:
         )
         await events.publish([events.FLEET_GROUP, events.model_group(model_id)], event)
 
+    def pending_takeover(self) -> bool:
+        """The agent accepted a master this one cannot overrule (seed 000 section 8)."""
+        try:
+            identity = fencing.read_identity(settings.MIRBAD.data_path)
+        except fencing.FencingError:
+            return True
+        return fencing.outranks(self.agent_fencing, identity)
+
     def touch(self) -> None:
         self.last_contact = time.time()
 
@@ -167,6 +178,8 @@ class NodeWorker:
         self.status["bootId"] = str(info.get("bootId", ""))
         self.status["agentVersion"] = str(info.get("agentVersion", ""))
         self.status["protocolVersion"] = max(common) if common else None
+        self.agent_fencing = info.get("fencing")
+        self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
         await self.save_info(info, max(common) if common else None)
         if self.incompatible:
             self.status["lastError"] = (
@@ -211,6 +224,10 @@ class NodeWorker:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
             await status_cache.awrite(self.status)
             await self.publish_instance(data)
+        elif name == "fencing":
+            self.agent_fencing = data.get("accepted")
+            self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
+            await self.recompute()
         elif name == "health":
             self.agent_reasons = list(data.get("reasons") or [])
             await self.recompute()

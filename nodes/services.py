@@ -396,3 +396,41 @@ def announce(node: Node) -> None:
     }
     event = events.NodeUpdated(type="node.updated", node=summary)  # type: ignore[typeddict-item]
     async_to_sync(events.publish)([events.FLEET_GROUP, events.node_group(node.node_id)], event)
+
+
+def takeover() -> dict[str, object]:
+    """Raise this master's epoch above every reachable agent's (an operator's explicit act).
+
+    Used when a restored or copied data directory left this master behind the
+    epoch the agents remember (stale_master). The operator must first make sure
+    the previous master is stopped; the record is kept in DATA_PATH/takeover.json.
+    """
+    from nodes import fencing
+    from nodes.agent_client import AgentClient, AgentError
+
+    cfg = config()
+    before = fencing.read_identity(cfg.data_path)
+    seen: dict[str, object] = {}
+    highest = before.epoch if before else 0
+    for node in Node.objects.filter(approved=True, revoked=False).exclude(spki_pin=""):
+        try:
+            with AgentClient(node=node, timeout=10) as client:
+                accepted = client.info().get("fencing") or {}
+        except AgentError as exc:
+            seen[node.node_id] = f"unreachable: {exc}"
+            continue
+        epoch = int(accepted.get("epoch", 0))
+        seen[node.node_id] = epoch
+        highest = max(highest, epoch)
+    identity = fencing.begin_epoch(cfg.data_path, at_least=highest + 1)
+    record = {
+        "at": timezone.now().isoformat(),
+        "previousEpoch": before.epoch if before else None,
+        "epoch": identity.epoch,
+        "nodes": seen,
+    }
+    write_atomic(cfg.data_path / "takeover.json", json.dumps(record, indent=2).encode())
+    log.warning(
+        "Takeover: epoch %s -> %d (nodes: %s)", record["previousEpoch"], identity.epoch, seen
+    )
+    return record

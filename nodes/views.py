@@ -63,7 +63,12 @@ def overview(request: HttpRequest) -> HttpResponse:
                 "error": state["error"] or "",
             }
         )
-    return render(request, "console/overview.html", {"nodes": node_rows, "models": model_rows})
+    blocked = any(row["state"] == "PendingTakeover" for row in node_rows)
+    return render(
+        request,
+        "console/overview.html",
+        {"nodes": node_rows, "models": model_rows, "takeover_needed": blocked},
+    )
 
 
 @operator_required
@@ -98,4 +103,11 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
     except ServiceError as exc:
         return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
     services.announce(node)
+    return redirect("overview")
+
+
+@operator_required
+@require_POST
+def takeover(request: HttpRequest) -> HttpResponse:
+    services.takeover()
     return redirect("overview")

@@ -74,3 +74,17 @@ async def close_db_after():
     from django.db import connections
 
     await sync_to_async(connections.close_all)()
+
+
+@pytest.fixture
+def master_identity():
+    """master.json as a started monitor leaves it (removed afterwards)."""
+    from django.conf import settings
+
+    from nodes import fencing
+
+    path = settings.MIRBAD.data_path / "master.json"
+    path.unlink(missing_ok=True)
+    identity = fencing.begin_epoch(settings.MIRBAD.data_path)
+    yield identity
+    path.unlink(missing_ok=True)

@@ -130,8 +130,22 @@ def test_start_refusals(operator_client: APIClient, status_redis: object) -> Non
     assert response.status_code == 409 and response.json()["error"]["code"] == "node_draining"
 
 
-def test_start_with_unreachable_agent_is_503(
+def test_start_before_the_monitor_ever_ran_is_503(
     operator_client: APIClient, status_redis: object
+) -> None:
+    from django.conf import settings
+
+    (settings.MIRBAD.data_path / "master.json").unlink(missing_ok=True)
+    node = make_node("n1", address="https://127.0.0.1:9")
+    set_status(node, "Online")
+    model = make_model("m", node)
+    response = operator_client.post(f"/api/models/{model.pk}/start")
+    assert response.status_code == 503
+    assert "monitor has not started" in response.json()["error"]["message"]
+
+
+def test_start_with_unreachable_agent_is_503(
+    operator_client: APIClient, status_redis: object, master_identity: object
 ) -> None:
     node = make_node("n1", address="https://127.0.0.1:9")  # nothing listens on port 9
     set_status(node, "Online")

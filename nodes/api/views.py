@@ -38,6 +38,7 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "reasons": status.get("reasons", []),
         "lastSeen": status.get("lastSeen"),
         "lastError": status.get("lastError", ""),
+        "fencing": status.get("fencing"),
         "agentVersion": node.agent_version,
         "os": node.os,
         "arch": node.arch,
@@ -91,3 +92,10 @@ class NodeAction(APIView):
             node = services.set_draining(node_id, self.action == "drain")
         services.announce(node)
         return Response(node_json(node, _status_of(node)))
+
+
+class Takeover(APIView):
+    """POST /api/takeover: the operator's explicit fencing takeover."""
+
+    def post(self, request: Request) -> Response:
+        return Response(services.takeover())

@@ -283,3 +283,11 @@ class RunningAgent:
 
 def read_json(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def master_headers(epoch: int = 1, instance: str = "test-master", boot: str = "boot-1") -> dict:
+    """The fencing headers every mutating request from the master carries."""
+    return {
+        "MirbadLLM-Master": f"{instance}/{epoch}/{boot}",
+        "MirbadLLM-Request-Time": dt.datetime.now(dt.UTC).isoformat(),
+    }

@@ -24,6 +24,7 @@ from agent_support import (
     issue,
     make_ca,
     make_identity,
+    master_headers,
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
@@ -111,7 +112,9 @@ async def running_agent(
     )
     await server.start()
     ctx = client_context(pki, pki.master, tmp_path / "client")
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(ssl=ctx), headers=master_headers()
+    )
     try:
         yield RunningAgent(server=server, session=session, tmp=tmp_path, pki=pki)
     finally:

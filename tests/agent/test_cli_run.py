@@ -13,7 +13,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from agent_support import Pki, client_context, make_identity
+from agent_support import Pki, client_context, make_identity, master_headers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,9 @@ async def test_run_serves_and_stops_on_sigterm(pki: Pki, tmp_path: Path) -> None
     try:
         ctx = client_context(pki, pki.master, tmp_path / "client")
         info = None
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as session:
+        async with aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(ssl=ctx), headers=master_headers()
+        ) as session:
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline and info is None:
                 try:

@@ -12,7 +12,13 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from agent_support import RunningAgent, client_context, launch_body, make_identity
+from agent_support import (
+    RunningAgent,
+    client_context,
+    launch_body,
+    make_identity,
+    master_headers,
+)
 
 from agent._config import AgentConfig, ExecutableEntry
 from agent._server import AgentServer
@@ -33,7 +39,9 @@ async def start_agent(
     )
     await server.start()
     ctx = client_context(pki, pki.master, tmp_path / "client")
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))
+    session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(ssl=ctx), headers=master_headers()
+    )
     return RunningAgent(server=server, session=session, tmp=tmp_path, pki=pki)
 
 
@@ -72,7 +80,7 @@ async def test_fake_engine_through_the_agent(
         states = []
         while len(states) < 2:
             line = (await asyncio.wait_for(events.content.readline(), 5)).decode()
-            if line.startswith("data: ") and '"instanceId"' in line:
+            if line.startswith("data: ") and '"servedName"' in line:
                 states.append(json.loads(line[6:])["state"])
         assert states == ["Starting", "Ready"]
         events.close()
@@ -107,31 +115,45 @@ async def test_fake_engine_through_the_agent(
         await agent.server.stop()
 
 
-async def test_engines_survive_an_agent_stop_when_configured(
+async def test_engines_survive_an_agent_stop_and_are_adopted(
     pki: Any,
     state_dir: Path,
     tmp_path: Path,
     make_config: Callable[..., AgentConfig],
     fake_engine: ExecutableEntry,
 ) -> None:
-    """StopInstancesOnShutdown false: the engine outlives the agent; the next start reaps it."""
+    """StopInstancesOnShutdown false: the engine outlives the agent; the next one adopts it."""
     config = make_config(executables=(fake_engine,), stop_instances_on_shutdown=False)
     agent = await start_agent(pki, state_dir, tmp_path, config)
     try:
         async with agent.session.post(agent.url("/agent/v1/instances"), json=launch_body()) as r:
             assert r.status == 202
-        pid = (await wait_ready(agent, "m-1"))["pid"]
+        first = await wait_ready(agent, "m-1")
+        key = agent.server.runtime.get("m-1").key
     finally:
         await agent.session.close()
         await agent.server.stop()
+    pid = first["pid"]
     assert psutil.Process(pid).is_running(), "the engine must outlive the agent"
     record = json.loads((state_dir / "processes.json").read_text())["instances"][0]
     assert record["state"] == "Ready" and record["pid"] == pid
+    assert record["pendingStart"] is False and record["argvDigest"].startswith("sha256:")
     again = await start_agent(pki, state_dir, tmp_path, make_config(executables=(fake_engine,)))
     try:
-        async with again.session.get(again.url("/agent/v1/instances")) as resp:
-            [inst] = (await resp.json())["instances"]
-        assert inst["state"] == "Stopped" and "agent restarted" in inst["error"]
+        adopted = await wait_ready(again, "m-1")
+        assert adopted["pid"] == pid and adopted["port"] == first["port"]
+        assert adopted["fingerprint"] == first["fingerprint"]
+        assert again.server.runtime.get("m-1").key == key
+        async with again.session.get(again.url("/agent/v1/status")) as resp:
+            [listed] = (await resp.json())["instances"]
+        assert listed["state"] == "Ready" and listed["pid"] == pid
+        # The proxy still reaches it: the agent kept the key the engine was started with.
+        async with again.session.get(again.url("/agent/v1/proxy/m-1/v1/models")) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["data"][0]["id"] == "demo"
+        async with again.session.post(again.url("/agent/v1/instances/m-1/stop")) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["state"] == "Stopped"
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
     finally:
         await again.session.close()

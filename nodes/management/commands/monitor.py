@@ -1,4 +1,8 @@
-"""``manage.py monitor``: run the node monitor until SIGINT/SIGTERM."""
+"""``manage.py monitor``: the one active monitor, until SIGINT/SIGTERM.
+
+It first takes the monitor lock (a second monitor waits as a standby), then
+raises the fencing epoch in master.json, and only then dials any agent.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +10,10 @@ import asyncio
 import signal
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand
 
+from nodes.fencing import MonitorLock, begin_epoch
 from nodes.monitor import Monitor
 
 
@@ -15,7 +21,23 @@ class Command(BaseCommand):
     help = "Follow every approved node: snapshots, events, telemetry, the status cache."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        asyncio.run(self._run())
+        cfg = settings.MIRBAD
+        stopping = {"flag": False}
+
+        def stop(signum: int, frame: object) -> None:
+            stopping["flag"] = True
+
+        signal.signal(signal.SIGINT, stop)
+        signal.signal(signal.SIGTERM, stop)
+        lock = MonitorLock(data_path=cfg.data_path, database_url=cfg.database_url)
+        if not lock.acquire(should_stop=lambda: stopping["flag"]):
+            return
+        try:
+            begin_epoch(cfg.data_path)
+            if not stopping["flag"]:
+                asyncio.run(self._run())
+        finally:
+            lock.release()
 
     async def _run(self) -> None:
         monitor = Monitor()

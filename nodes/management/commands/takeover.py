@@ -1,0 +1,20 @@
+"""``manage.py takeover``: raise the epoch above every reachable agent's.
+
+Run it only after making sure the previous master is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django.core.management.base import BaseCommand
+
+from nodes import services
+
+
+class Command(BaseCommand):
+    help = "Fencing takeover: raise this master's epoch above every reachable agent's."
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        self.stdout.write(json.dumps(services.takeover(), indent=2))
