@@ -17,6 +17,7 @@ import getpass
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     joiner.add_argument("--port", type=int, default=9443, help="port for --address without one")
     joiner.add_argument("--force", action="store_true", help="replace an existing identity")
+    # Accepted only to refuse it with the fix: argv is visible to every user (ps, /proc).
+    joiner.add_argument("--token", help=argparse.SUPPRESS)
 
     install = sub.add_parser("install-llama-server", help="build and lay out llama-server")
     install.add_argument("--runtimes-dir", required=True, type=Path)
@@ -76,6 +79,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
+    if args.token is not None:
+        print(
+            "agent: --token: a token on the command line is visible to every user of this "
+            "machine; set MIRBAD_JOIN_TOKEN or answer the prompt instead",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
+    if not re.match(r"^[a-z0-9][a-z0-9-]{0,39}$", args.node_id):
+        print(
+            f"agent: --node-id: {args.node_id!r} is not a valid node id; use lower-case letters, "
+            "digits and '-', starting with a letter or digit, at most 40 characters",
+            file=sys.stderr,
+        )
+        return EXIT_CONFIG
     configure_logging("INFO")
     token = os.environ.get("MIRBAD_JOIN_TOKEN", "")
     if not token and sys.stdin.isatty():
