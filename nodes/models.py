@@ -63,6 +63,7 @@ class JoinToken(models.Model):
     class Purpose(models.TextChoices):
         BOOTSTRAP = "bootstrap"
         JOIN = "join"
+        REKEY = "rekey"
 
     token_hash = models.CharField(max_length=64, unique=True)
     node_id = models.CharField(max_length=40, validators=[node_id_validator])

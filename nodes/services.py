@@ -199,6 +199,8 @@ def enroll(
                 f"Node '{node_id}' is revoked; it cannot enroll again under that id.",
                 403,
             )
+        if row.purpose == JoinToken.Purpose.REKEY and node is None:
+            raise _refuse("invalid_request", f"Node '{node_id}' does not exist to rekey.", 400)
         if row.purpose == JoinToken.Purpose.JOIN and node is not None and node.enrolled:
             raise _refuse(
                 "node_enrolled",
@@ -434,3 +436,43 @@ def takeover() -> dict[str, object]:
         "Takeover: epoch %s -> %d (nodes: %s)", record["previousEpoch"], identity.epoch, seen
     )
     return record
+
+
+def rekey_node(node_id: str, *, lifetime_minutes: object = None) -> dict[str, object]:
+    """A single-use token that re-enrolls a node whose identity was lost.
+
+    The node keeps its record, approval and placements; enrolling with the
+    token replaces its pin, so the monitor reconnects with the new key while
+    the engines on the node keep running.
+    """
+    from mirbad_site.errors import ServiceError
+
+    node = _node_or_404(node_id)
+    if node.revoked:
+        raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked.")
+    cfg = config()
+    minutes = cfg.join_token_minutes if lifetime_minutes is None else lifetime_minutes
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10080:
+        raise ServiceError(
+            400, "invalid_request", "lifetimeMinutes: a whole number from 1 to 10080."
+        )
+    JoinToken.objects.filter(
+        node_id=node_id, purpose=JoinToken.Purpose.REKEY, used_at__isnull=True
+    ).delete()
+    token = create_token(
+        node_id=node_id, purpose=JoinToken.Purpose.REKEY, lifetime=dt.timedelta(minutes=minutes)
+    )
+    ca_hash = "sha256:" + master_pki().ca.spki_sha256
+    log.warning("Created a rekey token for node %s", node_id)
+    return {
+        "nodeId": node_id,
+        "token": token,
+        "expiresAt": (timezone.now() + dt.timedelta(minutes=minutes)).isoformat(),
+        "enrollUrl": cfg.enroll_endpoint,
+        "caHash": ca_hash,
+        "command": (
+            f"MIRBAD_JOIN_TOKEN=<token> python -m agent join --force --enroll-url "
+            f"{cfg.enroll_endpoint} --ca-hash {ca_hash} --node-id {node_id} "
+            "--state-dir /var/lib/mirbad-agent"
+        ),
+    }

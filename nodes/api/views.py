@@ -99,3 +99,12 @@ class Takeover(APIView):
 
     def post(self, request: Request) -> Response:
         return Response(services.takeover())
+
+
+class NodeRekey(APIView):
+    """POST /api/nodes/{id}/rekey: a single-use token to re-enroll a node that lost its key."""
+
+    def post(self, request: Request, node_id: str) -> Response:
+        body = request.data if isinstance(request.data, dict) else {}
+        result = services.rekey_node(node_id, lifetime_minutes=body.get("lifetimeMinutes"))
+        return Response(result, status=201)

@@ -132,3 +132,23 @@ def test_fifty_clients_one_token_exactly_one_wins() -> None:
     assert outcomes.count("ok") == 1, outcomes
     assert set(outcomes) == {"ok", "token_used"}, outcomes
     assert Node.objects.filter(node_id="race").count() == 1
+
+
+@pytest.mark.django_db
+def test_rekey_replaces_the_pin_and_keeps_approval(
+    operator_client: APIClient, anon_client: APIClient
+) -> None:
+    assert anon_client.post("/api/nodes/gpu-1/rekey").status_code == 401
+    token = services.create_join_token(node_id="gpu-1")["token"]
+    services.enroll(token=token, node_id="gpu-1", csr_pem=_csr("gpu-1"), addresses=[])
+    services.approve_node("gpu-1")
+    old_pin = Node.objects.get(node_id="gpu-1").spki_pin
+    rekey = operator_client.post("/api/nodes/gpu-1/rekey").json()
+    assert "--force" in rekey["command"]
+    services.enroll(token=rekey["token"], node_id="gpu-1", csr_pem=_csr("gpu-1"), addresses=[])
+    node = Node.objects.get(node_id="gpu-1")
+    assert node.spki_pin != old_pin and node.approved
+    with pytest.raises(services.EnrollmentRefused) as used:
+        services.enroll(token=rekey["token"], node_id="gpu-1", csr_pem=_csr("gpu-1"), addresses=[])
+    assert used.value.code == "token_used"
+    assert operator_client.post("/api/nodes/nope/rekey").status_code == 404
