@@ -76,6 +76,9 @@ class AgentConfig:
     health_check_interval_seconds: float = 5.0
     shutdown_timeout_seconds: float = 30.0
     stop_instances_on_shutdown: bool = False
+    docker_expected: bool = False
+    docker_endpoint: str = "unix:///var/run/docker.sock"
+    gpus_expected: bool = False
     log_level: str = "INFO"
     config_file: Path | None = field(default=None, compare=False)
 
@@ -347,6 +350,26 @@ def _executables(value: Any, src: _Source) -> tuple[ExecutableEntry, ...]:
     return tuple(entries)
 
 
+def _docker_endpoint(value: Any, src: _Source) -> str:
+    if not isinstance(value, str) or not value.startswith(("unix://", "tcp://", "npipe://")):
+        raise src.fail(f"{value!r} is not a Docker endpoint", "use unix://, tcp:// or npipe://")
+    return value
+
+
+def _default_node_id(var: str) -> str:
+    """Without NodeId the node is named after its host name, lower-cased."""
+    import socket
+
+    name = socket.gethostname().split(".")[0].lower()
+    if validate_node_id(name) is not None:
+        raise ConfigError(
+            f"is not set and the host name {name!r} is not a valid node id; set NodeId "
+            f"(or {var}) to lower-case letters, digits and '-'",
+            field="NodeId",
+        )
+    return name
+
+
 # Key -> (dataclass attribute, parser). Order matters only for error precedence.
 _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "NodeId": ("node_id", _node_id),
@@ -371,9 +394,12 @@ _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "HealthCheckIntervalSeconds": ("health_check_interval_seconds", _seconds(allow_zero=False)),
     "ShutdownTimeoutSeconds": ("shutdown_timeout_seconds", _seconds(allow_zero=True)),
     "StopInstancesOnShutdown": ("stop_instances_on_shutdown", _bool),
+    "DockerExpected": ("docker_expected", _bool),
+    "DockerEndpoint": ("docker_endpoint", _docker_endpoint),
+    "GpusExpected": ("gpus_expected", _bool),
     "LogLevel": ("log_level", _log_level),
 }
-_REQUIRED = ("NodeId", "StateDirectory")
+_REQUIRED = ("StateDirectory",)
 
 
 def load_config(
@@ -428,6 +454,8 @@ def _build(raw: Any, env: Mapping[str, str], file_path: Path) -> AgentConfig:
             values[attr] = parser(raw[key], _Source(key=key, env_var=None, base_dir=base_dir))
         elif key in _REQUIRED:
             raise ConfigError(f"is required; set it in the file or with {var}", field=key)
+        elif key == "NodeId":
+            values[attr] = _default_node_id(var)
     start = values.get("port_range_start", 8101)
     end = values.get("port_range_end", 65535)
     if start > end:

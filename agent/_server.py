@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from agent._config import AgentConfig
+from agent._describe import describe, disks, docker_reachable, memory, probe_gpus
 from agent._errors import (
     ApiError,
     ClientNotMaster,
@@ -115,7 +116,7 @@ class AgentServer:
             state_directory=config.state_directory,
             bus=self.bus,
             interval=config.health_check_interval_seconds,
-            extra_checks=[self.catalogue.health_reasons],
+            extra_checks=[self.catalogue.health_reasons, self._expected_subsystems],
         )
         self.runtime = ProcessRuntime(
             config=config,
@@ -135,6 +136,21 @@ class AgentServer:
         self._facts = host_facts()
         self.fencing = Fencing(state_dir=config.state_directory)
         self.port: int | None = None
+
+    def _expected_subsystems(self) -> list[dict[str, str]]:
+        """docker_unreachable / gpu_probe_failing, only where the node is meant to have them."""
+        reasons = []
+        if self.config.docker_expected:
+            problem = docker_reachable(self.config.docker_endpoint)
+            if problem:
+                reasons.append({"code": "docker_unreachable", "message": problem})
+        if self.config.gpus_expected:
+            gpus, problem = probe_gpus()
+            if problem or not gpus:
+                reasons.append(
+                    {"code": "gpu_probe_failing", "message": problem or "nvidia-smi lists no GPU"}
+                )
+        return reasons
 
     # -- lifecycle -------------------------------------------------------------------
 
@@ -257,6 +273,11 @@ class AgentServer:
 
     # -- handlers --------------------------------------------------------------------
 
+    def _heartbeat_data(self) -> dict[str, Any]:
+        """Memory and disk ride on every heartbeat: they change, unlike the rest of /info."""
+        paths = [self.config.models_root_path, self.config.state_directory]
+        return {"time": utc_now_iso(), "memory": memory(), "disks": disks(paths)}
+
     async def handle_info(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
@@ -266,6 +287,11 @@ class AgentServer:
                 "bootId": self.boot_id,
                 "time": utc_now_iso(),
                 **self._facts,
+                **await asyncio.to_thread(
+                    describe,
+                    models_root=self.config.models_root_path,
+                    state_directory=self.config.state_directory,
+                ),
                 "spkiSha256": self.identity.spki_sha256,
                 "fencing": self.fencing.to_json(),
                 "executables": [i.to_json() for i in self.catalogue.infos],
@@ -325,7 +351,7 @@ class AgentServer:
                     async with asyncio.timeout(max(0.0, next_beat - loop.time())):
                         event = await subscription.get()
                 except TimeoutError:
-                    beat = _sse(self.bus.next_seq(), "heartbeat", {"time": utc_now_iso()})
+                    beat = _sse(self.bus.next_seq(), "heartbeat", self._heartbeat_data())
                     await response.write(beat)
                     next_beat += self._heartbeat
                     continue

@@ -39,6 +39,9 @@ class Node(models.Model):
     os = models.CharField(max_length=40, blank=True)
     arch = models.CharField(max_length=40, blank=True)
     memory_total_bytes = models.BigIntegerField(null=True, blank=True)
+    facts = models.JSONField(
+        default=dict, blank=True, help_text="The agent's self-description from /info"
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -207,7 +207,14 @@ class NodeWorker:
             os=str(info.get("os", ""))[:40],
             arch=str(info.get("arch", ""))[:40],
             memory_total_bytes=info.get("memoryTotalBytes"),
-        )
+            facts={
+                key: info.get(key)
+                for key in (
+                    "hostname", "osVersion", "addresses", "cpu", "gpus", "disks", "executables",
+                    "features",
+                )
+            },
+        )  # fmt: skip
 
     def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
         self.touch()
@@ -224,6 +231,13 @@ class NodeWorker:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
             await status_cache.awrite(self.status)
             await self.publish_instance(data)
+        elif name == "heartbeat":
+            # Memory and disk are refreshed with every heartbeat, not only at connect.
+            telemetry = self.status.setdefault("telemetry", {})
+            for key in ("memory", "disks"):
+                if key in data:
+                    telemetry[key] = data[key]
+            await status_cache.awrite(self.status)
         elif name == "fencing":
             self.agent_fencing = data.get("accepted")
             self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]

@@ -42,6 +42,8 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "agentVersion": node.agent_version,
         "os": node.os,
         "arch": node.arch,
+        "memoryTotalBytes": node.memory_total_bytes,
+        "facts": node.facts,
         "certificateNotAfter": node.cert_not_after.isoformat() if node.cert_not_after else None,
         "telemetry": telemetry,
         "instances": list((status.get("instances") or {}).values()),

@@ -76,6 +76,8 @@ async def test_connect_takes_info_and_snapshot(enrolled: Enrolled) -> None:
         assert abs(status["clockSkewSeconds"]) < 5
         stored = await sync_to_async(Node.objects.get)(node_id="n1")
         assert stored.os and stored.arch and stored.protocol_version == 1
+        assert stored.facts["cpu"]["count"] >= 1 and "features" in stored.facts["cpu"]
+        assert stored.facts["disks"] and stored.facts["gpus"] == []
         sample = await worker.client.telemetry()
         assert sample["memory"]["totalBytes"] > 0
     finally:
@@ -98,6 +100,8 @@ async def test_events_keep_the_node_in_contact(enrolled: Enrolled) -> None:
 
         await asyncio.wait_for(follow(), timeout=10)
         assert seen[0] == "hello" and "heartbeat" in seen
+        cached = await status_cache.aread("n1")
+        assert cached is not None and cached["telemetry"]["memory"]["totalBytes"] > 0
         assert worker.last_contact is not None and before is not None
         assert worker.last_contact >= before
     finally:
