@@ -6,6 +6,11 @@ loop's transports close, and an agent configured to leave engines running on shu
 (StopInstancesOnShutdown false) must be able to exit without taking them along. The
 exit is observed through a pidfd registered with the event loop (a waiting thread where
 pidfds are unavailable).
+
+An engine left running by a previous run of the agent and adopted by this one is an
+:class:`AdoptedProcess`: it is not our child, so there is no waitpid; its exit is seen
+through a pidfd as well (``pidfd_open`` works for any process on Linux 5.3 and later),
+or by polling its pid and creation time every second where pidfds are unavailable.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+import psutil
+
 from agent._errors import SpecRejected
 
 __all__ = [
+    "AdoptedProcess",
     "EngineProcess",
     "PortAllocator",
     "exit_text",
     "open_log",
+    "open_pidfd",
     "read_log_tail",
 ]
 
@@ -38,8 +47,13 @@ LOG_ROTATE_BYTES = 50 * 1024 * 1024
 LOG_TAIL_LINES = 400
 
 
-def exit_text(code: int) -> str:
-    """``exited with code 3`` / ``was killed by signal SIGKILL``."""
+def exit_text(code: int | None) -> str:
+    """``exited with code 3`` / ``was killed by signal SIGKILL``.
+
+    ``None`` is the exit of an adopted engine: not our child, so its status is unknown.
+    """
+    if code is None:
+        return "exited (exit status unknown: the engine was adopted, not started by this agent)"
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"was killed by signal {signal.Signals(-code).name}"
@@ -47,14 +61,74 @@ def exit_text(code: int) -> str:
     return f"exited with code {code}"
 
 
-class EngineProcess:
+def open_pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (any process, not only a child), or None where unavailable."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError, NotImplementedError):
+        return None
+
+
+class _GroupLeader:
+    """What both kinds of engine handle share: the exit future and the group kill.
+
+    The engine leads its own process group (it was started in a new session), so the
+    group id is its pid.
+    """
+
+    pid: int
+    _exited: asyncio.Future[int | None]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._exited.result() if self._exited.done() else None
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.done()
+
+    async def wait(self) -> int | None:
+        """The exit code once the process has exited (None if unknown, for an adopted one).
+
+        Cancelling this does not kill the process.
+        """
+        return await asyncio.shield(self._exited)
+
+    def _resolve(self, code: int | None) -> None:
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    def kill_leftovers(self) -> None:
+        """SIGKILL what is left of the group after the leader exited (helpers it forked)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    async def kill_group(self, grace: float) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``grace`` s; returns the exit code."""
+        pgid = self.pid
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.wait(), grace)
+        except TimeoutError:
+            log.warning("Process group %s ignored SIGTERM for %g s; killing it", pgid, grace)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pgid, signal.SIGKILL)
+            await self.wait()
+        # Children that outlived the leader belong to the same group; the kernel does not
+        # reuse a pid while its group exists, so this cannot hit someone else's process.
+        self.kill_leftovers()
+        return await self.wait()
+
+
+class EngineProcess(_GroupLeader):
     """A started engine: the Popen object plus a future that resolves with its exit code."""
 
     def __init__(self, *, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
         self.popen = popen
         self.pid = popen.pid
         self._loop = loop
-        self._exited: asyncio.Future[int] = loop.create_future()
+        self._exited = loop.create_future()
         self._pidfd: int | None = None
         try:
             self._pidfd = os.pidfd_open(self.pid)
@@ -100,9 +174,86 @@ class EngineProcess:
         with contextlib.suppress(RuntimeError):  # the loop may be gone at agent exit
             self._loop.call_soon_threadsafe(self._resolve, code)
 
-    def _resolve(self, code: int) -> None:
-        if not self._exited.done():
-            self._exited.set_result(code)
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def detach(self) -> None:
+        """Stop watching the process and leave it running (agent shutdown)."""
+        self._close_pidfd()
+
+
+class AdoptedProcess(_GroupLeader):
+    """An engine a previous run of the agent started, watched without being its parent.
+
+    ``pidfd`` should be opened (:func:`open_pidfd`) *before* the caller verified the
+    process's identity, so that it cannot refer to a later process that reused the pid.
+    Without one, the pid is polled every ``poll_interval`` s: the engine counts as
+    exited once the pid is gone, a zombie, or a process with another creation time.
+    """
+
+    def __init__(
+        self,
+        *,
+        pid: int,
+        create_time: float,
+        pidfd: int | None,
+        loop: asyncio.AbstractEventLoop,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self.pid = pid
+        self.create_time = create_time
+        self._loop = loop
+        self._exited = loop.create_future()
+        self._pidfd = pidfd
+        self._poll_interval = poll_interval
+        self._poller: asyncio.Task[None] | None = None
+        if pidfd is not None:
+            try:
+                loop.add_reader(pidfd, self._on_pidfd)
+            except (OSError, NotImplementedError, ValueError):
+                os.close(pidfd)
+                self._pidfd = None
+        if self._pidfd is None:
+            self._poller = loop.create_task(self._poll(), name=f"watch-{pid}")
+
+    @property
+    def watched_by_pidfd(self) -> bool:
+        return self._pidfd is not None
+
+    def _on_pidfd(self) -> None:
+        self._close_pidfd()
+        self._resolve(self._reap())
+
+    def _reap(self) -> int | None:
+        # Normally not our child (ECHILD). It still can be, when the agent that started
+        # it lives on in the same process (tests do that); then reap it and keep the code.
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return None
+        return os.waitstatus_to_exitcode(status) if pid == self.pid else None
+
+    def _gone(self) -> bool:
+        try:
+            proc = psutil.Process(self.pid)
+            if abs(proc.create_time() - self.create_time) > 0.5:
+                return True
+            return proc.status() == psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
+
+    async def _poll(self) -> None:
+        # Polling is the point here: nothing signals the exit of a process that is not
+        # our child when no pidfd is available.
+        while not self._gone():  # noqa: ASYNC110
+            await asyncio.sleep(self._poll_interval)
+        self._resolve(self._reap())
 
     def _close_pidfd(self) -> None:
         if self._pidfd is not None:
@@ -111,39 +262,12 @@ class EngineProcess:
             os.close(self._pidfd)
             self._pidfd = None
 
-    @property
-    def returncode(self) -> int | None:
-        return self._exited.result() if self._exited.done() else None
-
-    async def wait(self) -> int:
-        """The exit code, once the process has exited (cancelling this does not kill it)."""
-        return await asyncio.shield(self._exited)
-
     def detach(self) -> None:
         """Stop watching the process and leave it running (agent shutdown)."""
         self._close_pidfd()
-
-    def kill_leftovers(self) -> None:
-        """SIGKILL what is left of the group after the leader exited (helpers it forked)."""
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-
-    async def kill_group(self, grace: float) -> int:
-        """SIGTERM the process group, SIGKILL after ``grace`` s; returns the exit code."""
-        pgid = self.pid
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.wait(), grace)
-        except TimeoutError:
-            log.warning("Process group %s ignored SIGTERM for %g s; killing it", pgid, grace)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pgid, signal.SIGKILL)
-            await self.wait()
-        # Children that outlived the leader belong to the same group; the kernel does not
-        # reuse a pid while its group exists, so this cannot hit someone else's process.
-        self.kill_leftovers()
-        return await self.wait()
+        if self._poller is not None:
+            self._poller.cancel()
+            self._poller = None
 
 
 def read_log_tail(path: Path, offset: int = 0, max_lines: int = LOG_TAIL_LINES) -> list[str]:
@@ -214,6 +338,10 @@ class PortAllocator:
         raise SpecRejected(
             f"no free loopback port in PortRangeStart..PortRangeEnd ({self._start}..{self._end})"
         )
+
+    def claim(self, port: int) -> None:
+        """Mark ``port`` as taken (an adopted engine already listens on it)."""
+        self._taken.add(port)
 
     def release(self, port: int | None) -> None:
         if port is not None:

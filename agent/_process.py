@@ -9,6 +9,20 @@ Ready is Failed with the exit code and the log tail; an exit after Ready is rest
 the same port within RestartBudget per RestartWindowSeconds. Every state change is
 persisted to ``processes.json`` (0600, it holds the keys) and published as an
 ``instance`` event.
+
+Each start is recorded twice: a *pending start* (spec, port, key, argv digest, the time
+it was written, no pid) is written atomically before the process exists, and replaced
+by the full record (pid, creation time, program) once it does. A crash between the two
+leaves a pending record, from which the next agent recognises the orphan.
+
+On start, the runtime reconciles with the records of the previous run (see
+:mod:`agent._reconcile` for how a process is identified): an engine that is provably
+the one recorded is *adopted* (same pid, port and key; Starting until the Ready probe
+passes again, then supervised as usual, its exit seen through a pidfd or by polling);
+a record whose process is gone or whose pid now belongs to another process reads
+Stopped (nothing is killed); an orphan of a pending start, or an unidentified process
+of our runtimes folders holding one of our ports with that port in its arguments, is
+stopped; any other process is left alone.
 """
 
 from __future__ import annotations
@@ -19,7 +33,6 @@ import json
 import logging
 import os
 import secrets
-import signal
 import time
 from collections import deque
 from pathlib import Path
@@ -30,10 +43,27 @@ import psutil
 
 from agent._atomic import write_atomic
 from agent._config import AgentConfig
-from agent._engine import EngineProcess, PortAllocator, exit_text, open_log, read_log_tail
-from agent._errors import Conflict, ModelNotRunning, NotFound, StateUnavailable
+from agent._engine import (
+    AdoptedProcess,
+    EngineProcess,
+    PortAllocator,
+    exit_text,
+    open_log,
+    open_pidfd,
+    read_log_tail,
+)
+from agent._errors import Conflict, ModelNotRunning, NotFound, SpecRejected, StateUnavailable
 from agent._events import EventBus
 from agent._executables import Catalogue, ExecutableInfo
+from agent._reconcile import (
+    Observed,
+    Pending,
+    argv_digest,
+    matches_record,
+    observe,
+    scan,
+    stop_group,
+)
 from agent._spec import (
     LaunchSpec,
     check_args,
@@ -53,6 +83,11 @@ log = logging.getLogger("mirbad.agent.process")
 STARTING, READY, FAILED, STOPPED = "Starting", "Ready", "Failed", "Stopped"
 _BASE_ENV = ("PATH", "HOME", "LANG")
 PROCESSES_FILE = "processes.json"
+GONE_ERROR = "The engine was gone after the agent restarted."
+PENDING_ERROR = "The agent restarted while it was starting the engine."
+PENDING_STOPPED_ERROR = (
+    "The agent restarted while it was starting the engine; the engine was stopped."
+)
 
 
 class Instance:
@@ -79,11 +114,16 @@ class Instance:
         self.log_tail: list[str] = []
         self.restart_count = 0
         self.restarts: deque[float] = deque()
-        self.proc: EngineProcess | None = None
+        self.proc: EngineProcess | AdoptedProcess | None = None
         self.task: asyncio.Task[None] | None = None
         self.lock = asyncio.Lock()
         self.stopping = False
         self.log_offset = 0
+        # Set from just before a start is recorded until the process exists.
+        self.pending_since: float | None = None
+        self.argv_digest: str | None = None
+        self.pid_exe: str | None = None
+        self.adopted = False
 
     @property
     def instance_id(self) -> str:
@@ -114,9 +154,16 @@ class Instance:
             **self.to_json(),
             "spec": self.spec.to_json(),
             "apiKey": self.key,
+            "pendingStart": self.pending_since is not None,
+            "pendingSince": self.pending_since,
+            "argvDigest": self.argv_digest,
             "pidCreateTime": self.pid_create_time,
             "pidCmdline": self.pid_cmdline,
+            "pidExe": self.pid_exe,
             "executablePath": str(self.executable.path.resolve()),
+            "modelPath": str(self.model_path) if self.model_path.parts else None,
+            "startedAtEpoch": self.started_at,
+            "readyAtEpoch": self.ready_at,
         }
 
 
@@ -147,12 +194,12 @@ class ProcessRuntime:
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the probe session and clean up after a previous run of the agent."""
+        """Open the probe session, adopt the previous run's engines and stop its orphans."""
         self._log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=5), connector=aiohttp.TCPConnector(force_close=True)
         )
-        await self._reap_previous_run()
+        await self._reconcile()
 
     async def close(self, *, stop_instances: bool = True) -> None:
         """Stop every engine, or leave them running and only stop watching them.
@@ -183,57 +230,196 @@ class ProcessRuntime:
             await self._session.close()
             self._session = None
 
-    async def _reap_previous_run(self) -> None:
+    # -- adoption after an agent restart ---------------------------------------------
+
+    def _runtime_folders(self) -> list[Path]:
+        """The configured executables' folders: only processes run from there can be ours."""
+        return sorted({entry.path.parent.resolve() for entry in self._config.executables})
+
+    def _read_records(self) -> list[dict[str, Any]] | None:
         try:
             data = json.loads(self._state_file.read_text(encoding="utf-8"))
             records = data["instances"]
+            if not isinstance(records, list):
+                raise TypeError("'instances' is not a list")
         except FileNotFoundError:
-            return
+            return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("Cannot read %s (%s); starting with no instances", self._state_file, exc)
-            return
-        for record in records:
-            pid = record.get("pid")
-            if pid and self._provably_ours(record):
-                log.warning(
-                    "Stopping engine pid %s of instance %s left by a previous agent run",
-                    pid,
-                    record.get("instanceId"),
-                )
-                await asyncio.to_thread(self._kill_foreign_group, pid)
-            try:
-                spec = parse_launch_spec(record["spec"])
-                exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
-            except Exception as exc:
-                log.warning("Forgetting instance %s: %s", record.get("instanceId"), exc)
-                continue
-            inst = Instance(spec=spec, executable=exe, alias="", model_path=Path())
-            inst.state = STOPPED
-            inst.exit_code = record.get("exitCode")
-            if record.get("state") in (STARTING, READY):
-                inst.error = "The agent restarted; the engine was stopped."
-            self._instances[spec.instance_id] = inst
-        self._persist_quietly()
+            return None
+        return [r for r in records if isinstance(r, dict)]
 
-    def _provably_ours(self, record: dict[str, Any]) -> bool:
-        # Only a process with the recorded pid, creation time and command line (which
-        # starts with the executable's path) is ours; anything that reuses the pid is not.
+    def _instance_from_record(self, record: dict[str, Any]) -> Instance:
+        """The instance a record describes, Stopped; raises when it cannot be managed."""
+        spec = parse_launch_spec(record["spec"])
+        exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
         try:
-            proc = psutil.Process(record["pid"])
-            same_time = abs(proc.create_time() - float(record.get("pidCreateTime") or 0)) < 0.05
-            cmdline = record.get("pidCmdline")
-            return same_time and bool(cmdline) and proc.cmdline() == cmdline
-        except (psutil.Error, KeyError, TypeError, ValueError):
-            return False
+            alias = check_args(spec.args)
+        except SpecRejected:
+            alias = ""
+        model_path = Path(record["modelPath"]) if record.get("modelPath") else Path()
+        inst = Instance(spec=spec, executable=exe, alias=alias, model_path=model_path)
+        inst.state = STOPPED
+        if isinstance(record.get("apiKey"), str) and record["apiKey"]:
+            inst.key = record["apiKey"]
+        port = record.get("port")
+        inst.port = port if isinstance(port, int) else None
+        count = record.get("restartCount")
+        inst.restart_count = count if isinstance(count, int) else 0
+        inst.exit_code = record.get("exitCode")
+        if record.get("state") == FAILED:
+            inst.state = FAILED
+            inst.error = record.get("error")
+            tail = record.get("logTail")
+            inst.log_tail = [str(line) for line in tail] if isinstance(tail, list) else []
+        return inst
 
-    def _kill_foreign_group(self, pid: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGTERM)
-        deadline = time.monotonic() + self._grace
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.1)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pid, signal.SIGKILL)
+    def _adoptable(self, inst: Instance, record: dict[str, Any]) -> str | None:
+        """None when ``inst`` can be supervised again, else why not."""
+        if not inst.alias:
+            return "its spec has no usable --alias"
+        if not isinstance(record.get("apiKey"), str) or not record["apiKey"]:
+            return "its record has no API key"
+        if not isinstance(record.get("port"), int):
+            return "its record has no port"
+        if str(inst.executable.path.resolve()) != record.get("executablePath"):
+            return f"its executable is now configured as {inst.executable.path}"
+        if not inst.model_path.parts:
+            try:
+                inst.model_path = resolve_model_path(
+                    self._config.models_root_path, inst.spec.model_folder, inst.spec.model_file
+                )
+            except SpecRejected as exc:
+                return exc.message
+        return None
+
+    async def _reconcile(self) -> None:
+        """Adopt, mark gone, and stop orphans, from the previous run's processes.json."""
+        records = self._read_records()
+        if records is None:
+            return
+        loop = asyncio.get_running_loop()
+        folders = self._runtime_folders()
+        adopted: list[Instance] = []
+        gone = 0
+        kills: list[tuple[Observed, str, str]] = []  # (process, instance, why)
+        pending: list[Pending] = []
+        ports: dict[int, str] = {}
+        for record in records:
+            iid = str(record.get("instanceId"))
+            try:
+                inst: Instance | None = self._instance_from_record(record)
+                problem = None
+            except Exception as exc:
+                inst, problem = None, str(getattr(exc, "message", exc))
+            port = record.get("port")
+            pid = record.get("pid")
+            if record.get("pendingStart"):
+                digest, since = record.get("argvDigest"), record.get("pendingSince")
+                if isinstance(digest, str) and isinstance(since, int | float):
+                    pending.append(Pending(instance_id=iid, digest=digest, since=float(since)))
+                if inst is not None:
+                    inst.error = PENDING_ERROR
+            elif record.get("state") in (STARTING, READY) and isinstance(pid, int) and pid > 0:
+                # The pidfd first: once the identity is checked it cannot be a later process.
+                pidfd = open_pidfd(pid)
+                obs = await asyncio.to_thread(observe, pid, folders)
+                ours = obs is not None and matches_record(obs, record)
+                why_not = None
+                if ours and inst is not None:
+                    why_not = self._adoptable(inst, record)
+                if ours and inst is not None and why_not is None:
+                    assert obs is not None
+                    self._adopt(inst, record, obs, pidfd, loop)
+                    adopted.append(inst)
+                    self._instances[inst.instance_id] = inst
+                    continue
+                if pidfd is not None:
+                    os.close(pidfd)
+                if ours:
+                    assert obs is not None
+                    log.warning(
+                        "Engine pid %s of instance %s cannot be adopted: %s",
+                        pid,
+                        iid,
+                        why_not or problem,
+                    )
+                    kills.append((obs, iid, "unmanageable"))
+                    if inst is not None:
+                        inst.error = (
+                            f"The agent restarted and could not adopt the engine ({why_not}); "
+                            "it was stopped."
+                        )
+                else:
+                    gone += 1
+                    if inst is not None:
+                        inst.error = GONE_ERROR
+                    log.warning(
+                        "Instance %s: engine pid %s was gone after the agent restarted", iid, pid
+                    )
+            if isinstance(port, int):
+                ports.setdefault(port, iid)
+            if inst is None:
+                log.warning("Forgetting instance %s: %s", iid, problem)
+                continue
+            inst.port = None if inst.state == STOPPED else inst.port
+            self._instances[inst.instance_id] = inst
+        if pending or ports or kills:
+            skip = {os.getpid(), *(i.pid for i in adopted if i.pid), *(k[0].pid for k in kills)}
+            findings = await asyncio.to_thread(
+                scan, folders=folders, pending=pending, ports=ports, skip=skip
+            )
+            for finding in findings:
+                if finding.instance_id is None:
+                    log.warning(
+                        "Foreign process pid %s (%s): left alone",
+                        finding.obs.pid,
+                        finding.obs.program,
+                    )
+                else:
+                    kills.append((finding.obs, finding.instance_id, finding.why))
+        stopped = 0
+        for obs, iid, why in kills:
+            if await asyncio.to_thread(stop_group, obs, self._grace):
+                stopped += 1
+                log.warning("Stopped orphan engine pid %s (instance %s)", obs.pid, iid)
+                inst = self._instances.get(iid)
+                if why == "pending" and inst is not None and inst.state == STOPPED:
+                    inst.error = PENDING_STOPPED_ERROR
+        self._persist_quietly()
+        log.info("Reconciled: adopted %d, gone %d, orphans stopped %d", len(adopted), gone, stopped)
+        for inst in adopted:
+            inst.task = asyncio.create_task(
+                self._supervise(inst), name=f"supervise-{inst.instance_id}"
+            )
+
+    def _adopt(
+        self,
+        inst: Instance,
+        record: dict[str, Any],
+        obs: Observed,
+        pidfd: int | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        assert inst.port is not None
+        inst.adopted = True
+        inst.state = STARTING
+        inst.error = None
+        inst.exit_code = None
+        inst.pid = obs.pid
+        inst.pid_create_time = obs.create_time
+        inst.pid_cmdline = list(obs.cmdline)
+        inst.pid_exe = obs.exe
+        inst.argv_digest = record.get("argvDigest") or obs.digest
+        started = record.get("startedAtEpoch")
+        inst.started_at = float(started) if isinstance(started, int | float) else obs.create_time
+        log_path = self._log_dir / f"ss-{inst.instance_id}.log"
+        with contextlib.suppress(OSError):
+            inst.log_offset = log_path.stat().st_size
+        self._ports.claim(inst.port)
+        inst.proc = AdoptedProcess(pid=obs.pid, create_time=obs.create_time, pidfd=pidfd, loop=loop)
+        log.info("Adopted instance %s (pid %s, port %s)", inst.instance_id, obs.pid, inst.port)
+        self._bus.publish("instance", inst.to_json())
 
     # -- queries ---------------------------------------------------------------------
 
@@ -292,6 +478,7 @@ class ProcessRuntime:
             inst = Instance(spec=spec, executable=exe, alias=alias, model_path=model_path)
             inst.port = await self._ports.reserve()
             self._instances[spec.instance_id] = inst
+            self._mark_pending(inst)
             try:
                 self._persist()
             except StateUnavailable:
@@ -302,20 +489,44 @@ class ProcessRuntime:
                     del self._instances[spec.instance_id]
                 raise
             async with inst.lock:
-                started = await self._spawn(inst)
+                started = await self._spawn(inst, recorded=True)
             if started:
                 inst.task = asyncio.create_task(
                     self._supervise(inst), name=f"supervise-{inst.instance_id}"
                 )
             return inst.to_json()
 
-    async def _spawn(self, inst: Instance) -> bool:
-        """Start the engine process; False (and the instance Failed) if it cannot start."""
+    def _argv(self, inst: Instance) -> list[str]:
         assert inst.port is not None
-        argv = [
+        return [
             str(inst.executable.path),
             *substitute(inst.spec.args, model_path=inst.model_path, port=inst.port),
         ]
+
+    def _mark_pending(self, inst: Instance) -> None:
+        """Turn the instance's record into a pending start (the next persist writes it)."""
+        inst.pid = None
+        inst.pid_create_time = None
+        inst.pid_cmdline = []
+        inst.pid_exe = None
+        inst.adopted = False
+        inst.argv_digest = argv_digest(self._argv(inst))
+        inst.pending_since = time.time()
+
+    async def _spawn(self, inst: Instance, *, recorded: bool = False) -> bool:
+        """Start the engine process; False (and the instance Failed) if it cannot start.
+
+        The pending-start record is written first (``recorded``: the caller did).
+        """
+        argv = self._argv(inst)
+        if not recorded:
+            self._mark_pending(inst)
+            try:
+                self._persist()
+            except StateUnavailable as exc:
+                inst.pending_since = None
+                self._fail(inst, f"llama-server was not started: {exc.message}", None)
+                return False
         env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
         env.update(inst.spec.env_dict)
         env["LLAMA_API_KEY"] = inst.key
@@ -338,13 +549,17 @@ class ProcessRuntime:
                     loop=asyncio.get_running_loop(),
                 )
         except OSError as exc:
+            inst.pending_since = None
             self._fail(inst, f"llama-server could not be started: {exc.strerror or exc}", None)
             return False
         inst.pid = inst.proc.pid
         inst.started_at = time.time()
         with contextlib.suppress(psutil.Error):
             ps = psutil.Process(inst.pid)
-            inst.pid_create_time, inst.pid_cmdline = ps.create_time(), ps.cmdline()
+            with ps.oneshot():
+                inst.pid_create_time, inst.pid_cmdline = ps.create_time(), ps.cmdline()
+                inst.pid_exe = ps.exe()
+        inst.pending_since = None
         log.info(
             "Started %s (pid %s, port %s, restart %s): %s",
             inst.instance_id,
@@ -364,6 +579,7 @@ class ProcessRuntime:
         inst.log_tail = read_log_tail(log_path, inst.log_offset)
         inst.pid = None
         inst.proc = None
+        inst.pending_since = None
         self._ports.release(inst.port)
         log.error("Instance %s failed: %s", inst.instance_id, error)
         self._changed(inst)
@@ -386,7 +602,7 @@ class ProcessRuntime:
             return False
         return inst.alias in _listed_names(body)
 
-    async def _wait_ready(self, inst: Instance, proc: EngineProcess) -> str:
+    async def _wait_ready(self, inst: Instance, proc: EngineProcess | AdoptedProcess) -> str:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._config.process_start_timeout_seconds
         waiter = asyncio.ensure_future(proc.wait())
@@ -417,7 +633,7 @@ class ProcessRuntime:
                         return
                     if outcome == "exited":
                         proc.kill_leftovers()
-                        code = proc.returncode if proc.returncode is not None else -1
+                        code = await proc.wait()
                         self._fail(
                             inst, f"llama-server {exit_text(code)} before it was ready", code
                         )
@@ -434,7 +650,12 @@ class ProcessRuntime:
                         return
                     inst.state = READY
                     inst.ready_at = time.time()
-                    log.info("Instance %s is Ready on port %s", inst.instance_id, inst.port)
+                    log.info(
+                        "Instance %s is Ready on port %s%s",
+                        inst.instance_id,
+                        inst.port,
+                        " (adopted)" if inst.adopted else "",
+                    )
                     self._changed(inst)
                 code = await proc.wait()
                 async with inst.lock:
@@ -494,6 +715,7 @@ class ProcessRuntime:
             inst.state = STOPPED
             inst.pid = None
             inst.proc = None
+            inst.pending_since = None
             inst.error = None
             inst.log_tail = []
             self._ports.release(inst.port)
@@ -517,14 +739,6 @@ class ProcessRuntime:
                 f"model {inst.spec.served_name!r} (instance {instance_id}) is {inst.state}, not Ready"
             )
         return inst
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for a non-reaping init does not count)."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _listed_names(body: Any) -> set[str]:

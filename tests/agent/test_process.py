@@ -1,10 +1,11 @@
-"""The process runtime with a fake engine: Ready, failures, stop, restarts, reaping."""
+"""The process runtime with a fake engine: Ready, failures, stop, restarts, adoption."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import logging
 import stat
 import time
 from collections.abc import AsyncIterator, Callable
@@ -16,8 +17,10 @@ import psutil
 import pytest
 from agent_support import launch_body
 
+import agent._process
 from agent import Conflict
 from agent._config import AgentConfig, ExecutableEntry
+from agent._engine import AdoptedProcess, EngineProcess
 from agent._events import EventBus
 from agent._executables import Catalogue, write_manifest
 from agent._process import ProcessRuntime
@@ -196,17 +199,78 @@ async def test_two_launches_get_different_ports(runtime_factory: Any) -> None:
     await wait_state(runtime, "b", "Ready")
 
 
-async def test_engines_left_by_a_crashed_agent_are_stopped(runtime_factory: Any) -> None:
+async def left_running(runtime_factory: Any) -> dict[str, Any]:
+    """A first runtime starts m-1 and goes away leaving it running (as if killed)."""
     crashed = await runtime_factory()
     await crashed.launch(launch_body())
     ready = await wait_state(crashed, "m-1", "Ready")
-    # The first agent goes away without stopping its engine (as if killed); a second
-    # runtime on the same state directory plays the restarted agent.
     await crashed.close(stop_instances=False)
+    assert psutil.Process(ready["pid"]).is_running()
+    return {**ready, "key": crashed.get("m-1").key}
+
+
+async def wait_new_pid(runtime: ProcessRuntime, old_pid: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        inst = runtime.get("m-1").to_json()
+        if inst["state"] == "Ready" and inst["pid"] != old_pid:
+            return inst
+        if inst["state"] == "Failed":
+            raise AssertionError(inst)
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"m-1 was not restarted: {inst}")
+
+
+async def test_adopted_engine_restarts_within_budget(
+    runtime_factory: Any, state_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ready = await left_running(runtime_factory)
+    caplog.set_level(logging.INFO, logger="mirbad.agent")
+    # A second runtime on the same state directory plays the restarted agent.
+    restarted = await runtime_factory(restart_budget=1)
+    inst = restarted.get("m-1")
+    assert inst.to_json()["state"] in ("Starting", "Ready")
+    assert isinstance(inst.proc, AdoptedProcess) and inst.proc.watched_by_pidfd
+    adopted = await wait_state(restarted, "m-1", "Ready")
+    assert adopted["pid"] == ready["pid"] and adopted["port"] == ready["port"]
+    assert inst.key == ready["key"]
+    assert f"Adopted instance m-1 (pid {ready['pid']}, port {ready['port']})" in caplog.text
+    assert "Reconciled: adopted 1, gone 0, orphans stopped 0" in caplog.text
+    assert await engine_get(restarted, "m-1", "/v1/models") == 200
+    record = json.loads((state_dir / "processes.json").read_text())["instances"][0]
+    assert record["pid"] == ready["pid"] and record["state"] == "Ready"
+    # Its exit after Ready follows the usual rule: a new child on the same port ...
+    await crash(restarted, "m-1")
+    again = await wait_new_pid(restarted, ready["pid"])
+    assert again["port"] == ready["port"] and again["restartCount"] == 1
+    assert isinstance(restarted.get("m-1").proc, EngineProcess)
+    # ... until the budget is spent.
+    await crash(restarted, "m-1")
+    failed = await wait_state(restarted, "m-1", "Failed")
+    assert "restarted 1 times" in failed["error"]
+
+
+async def test_adopted_engine_exit_seen_by_polling(
+    runtime_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ready = await left_running(runtime_factory)
+    monkeypatch.setattr(agent._process, "open_pidfd", lambda pid: None)
+    restarted = await runtime_factory(restart_budget=0)
+    inst = restarted.get("m-1")
+    assert isinstance(inst.proc, AdoptedProcess) and not inst.proc.watched_by_pidfd
+    adopted = await wait_state(restarted, "m-1", "Ready")
+    assert adopted["pid"] == ready["pid"]
+    await crash(restarted, "m-1")
+    failed = await wait_state(restarted, "m-1", "Failed")
+    assert "after it was ready" in failed["error"] and "RestartBudget" in failed["error"]
+    assert failed["pid"] is None
+
+
+async def test_adopted_engine_is_stopped_on_clean_shutdown(runtime_factory: Any) -> None:
+    ready = await left_running(runtime_factory)
     restarted = await runtime_factory()
-    inst = restarted.get("m-1").to_json()
-    assert inst["state"] == "Stopped"
-    assert "agent restarted" in inst["error"]
+    await wait_state(restarted, "m-1", "Ready")
+    await restarted.close(stop_instances=True)
     assert not psutil.pid_exists(ready["pid"]) or (
         psutil.Process(ready["pid"]).status() == psutil.STATUS_ZOMBIE
     )
