@@ -39,6 +39,7 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "lastSeen": status.get("lastSeen"),
         "lastError": status.get("lastError", ""),
         "fencing": status.get("fencing"),
+        "bootId": status.get("bootId"),
         "agentVersion": node.agent_version,
         "os": node.os,
         "arch": node.arch,
