@@ -70,6 +70,21 @@ def test_monitor_restart_standby_stale_master_and_takeover(make_stack) -> None:
         )
         assert epoch() == first_epoch + 1
 
+        # The active one dies: the standby takes over within 30 s, at a higher epoch.
+        import time
+
+        active = monitors[0]
+        active.kill()
+        active.wait(timeout=10)
+        died = time.monotonic()
+        wait_for(lambda: epoch() == first_epoch + 2, 30, "the standby taking over")
+        print(f"standby took over {time.monotonic() - died:.1f} s after the active monitor died")
+        assert api.post(stop_url).status_code == 200
+        wait_for(
+            lambda: (node().get("fencing") or {}).get("epoch") == first_epoch + 2, 20, "accept"
+        )
+        wait_for(lambda: node()["state"] == "Online", 20, "Online under the standby")
+
         # An old identity: master.json restored with a lower epoch.
         stale = json.loads(master_json.read_text())
         stale["epoch"] = first_epoch - 1 if first_epoch > 1 else 0
@@ -87,7 +102,7 @@ def test_monitor_restart_standby_stale_master_and_takeover(make_stack) -> None:
 
         # The operator's explicit takeover raises the epoch above the agent's.
         record = api.post("/api/takeover").json()
-        assert record["epoch"] > first_epoch + 1 and record["nodes"]["local"] == first_epoch + 1
+        assert record["epoch"] > first_epoch + 2 and record["nodes"]["local"] == first_epoch + 2
         wait_for(lambda: node()["state"] == "Online", 20, "Online after the takeover")
         assert api.post(stop_url).status_code == 200
     finally:
