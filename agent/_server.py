@@ -33,6 +33,7 @@ from agent._events import EventBus
 from agent._executables import Catalogue
 from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
 from agent._identity import Identity, check_master_client_cert, server_ssl_context
+from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
 from agent._process import ProcessRuntime
 from agent._proxy import Proxy, Upstream
 from agent._telemetry import HealthMonitor, Telemetry, host_facts
@@ -135,6 +136,7 @@ class AgentServer:
         self._runner: web.AppRunner | None = None
         self._facts = host_facts()
         self.fencing = Fencing(state_dir=config.state_directory)
+        self.oplog = OperationLog(state_dir=config.state_directory)
         self.port: int | None = None
 
     def _expected_subsystems(self) -> list[dict[str, str]]:
@@ -159,6 +161,9 @@ class AgentServer:
         self.config.models_root_path.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.catalogue.verify)
         await self.runtime.start()
+        closed = self.oplog.reconcile(self._instance_state)
+        if closed:
+            log.info("Reconciled %d open operation(s) from the state files", closed)
         await self.proxy.start()
         await self.health.refresh()
         self.health.start()
@@ -209,7 +214,12 @@ class AgentServer:
 
     def build_app(self) -> web.Application:
         app = web.Application(
-            middlewares=[self._client_cert_middleware, error_middleware, self._fencing_middleware]
+            middlewares=[
+                self._client_cert_middleware,
+                error_middleware,
+                self._fencing_middleware,
+                self._oplog_middleware,
+            ]
         )
         r = app.router
         r.add_get("/agent/v1/info", self.handle_info)
@@ -270,6 +280,54 @@ class AgentServer:
             if moved:
                 self.bus.publish("fencing", {"accepted": self.fencing.to_json()})
         return await handler(request)
+
+    def _instance_state(self, instance_id: str) -> str | None:
+        try:
+            return str(self.runtime.get(instance_id).state)
+        except ApiError:
+            return None
+
+    @web.middleware
+    async def _oplog_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Write each mutation to the operation log before it runs; answer repeats from it."""
+        if request.method not in ("POST", "PUT", "DELETE", "PATCH") or request.path.startswith(
+            "/agent/v1/proxy/"
+        ):
+            return await handler(request)
+        op_id = OperationLog.operation_id(request.headers.get(OPERATION_HEADER))
+        kind, instance_id = describe_request(request.method, request.path)
+        if kind == "launch":
+            try:
+                body = json.loads(await request.read() or b"{}")
+                instance_id = body.get("instanceId") if isinstance(body, dict) else None
+            except ValueError:
+                instance_id = None  # the handler answers the malformed body
+        earlier = await self.oplog.begin(
+            op_id, method=request.method, path=request.path, instance_id=instance_id
+        )
+        if earlier is not None:
+            return web.Response(
+                status=earlier["status"],
+                body=earlier.get("body", "").encode(),
+                content_type="application/json",
+                headers={OPERATION_HEADER: op_id, "MirbadLLM-Operation-Repeated": "true"},
+            )
+        try:
+            response = await handler(request)
+        except ApiError as exc:
+            await self.oplog.close(
+                op_id, status=exc.status, body=json.dumps(exc.to_json()).encode()
+            )
+            refused = _api_error_response(exc)
+            refused.headers[OPERATION_HEADER] = op_id
+            return refused
+        except Exception:
+            await self.oplog.close(op_id, status=500, body=None)
+            raise
+        body = response.body if isinstance(getattr(response, "body", None), bytes) else None
+        await self.oplog.close(op_id, status=response.status, body=body)
+        response.headers[OPERATION_HEADER] = op_id
+        return response
 
     # -- handlers --------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import ssl
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -107,10 +108,13 @@ class AgentClient:
         return self._request("GET", "/status")
 
     def _fenced(self) -> dict[str, str]:
+        """Fencing triple, request time and a fresh operation id for one mutation."""
         try:
-            return fencing.request_headers(settings.MIRBAD.data_path)
+            headers = fencing.request_headers(settings.MIRBAD.data_path)
         except fencing.FencingError as exc:
             raise AgentRefused(status=503, code="monitor_not_started", message=str(exc)) from None
+        headers["MirbadLLM-Operation-Id"] = "m-" + uuid.uuid4().hex
+        return headers
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/instances", json=spec, headers=self._fenced())

@@ -1,0 +1,152 @@
+"""The agent's operation log: what it was asked to do, written before it does it.
+
+Every mutating request gets an operation id (``MirbadLLM-Operation-Id`` from
+the master, or one the agent draws). The record is fsynced as ``open`` before
+the mutation runs and closed with its answer afterwards, so:
+
+- the same id sent again gets the recorded answer, not a second mutation
+  (idempotent per id), or 409 while it is still running;
+- after a restart, operations left open are closed from what the state files
+  show: a launch whose instance exists succeeded, a stop whose instance is
+  stopped or gone succeeded, anything else failed. Nothing is replayed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import logging
+import re
+import secrets
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent._atomic import write_atomic
+from agent._errors import Conflict, InvalidRequest, StateUnavailable
+
+log = logging.getLogger("mirbad.agent.oplog")
+
+OPERATION_HEADER = "MirbadLLM-Operation-Id"
+FILE_NAME = "operations.json"
+KEEP = 1000
+_ID = re.compile(r"^[A-Za-z0-9._-]{8,80}$")
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat()
+
+
+def describe_request(method: str, path: str) -> tuple[str, str | None]:
+    """(kind, instance id) of a mutating request, for reconciliation after a restart."""
+    parts = path.rstrip("/").split("/")
+    if method == "POST" and path.rstrip("/") == "/agent/v1/instances":
+        return "launch", None
+    if method == "POST" and len(parts) == 6 and parts[-1] == "stop":
+        return "stop", parts[4]
+    if method == "DELETE" and len(parts) == 5:
+        return "delete", parts[4]
+    return "other", None
+
+
+class OperationLog:
+    def __init__(self, *, state_dir: Path) -> None:
+        self.path = state_dir / FILE_NAME
+        self._lock = asyncio.Lock()
+        self.operations: dict[str, dict[str, Any]] = self._load()
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            raise StateUnavailable(f"{self.path} is unreadable ({exc}); fix or remove it") from exc
+        return {op["id"]: op for op in data.get("operations", []) if "id" in op}
+
+    def _save(self) -> None:
+        ops = sorted(self.operations.values(), key=lambda o: o["openedAt"])[-KEEP:]
+        self.operations = {op["id"]: op for op in ops}
+        try:
+            write_atomic(self.path, json.dumps({"operations": ops}).encode(), mode=0o600)
+        except OSError as exc:
+            raise StateUnavailable(f"cannot persist {self.path}: {exc}") from exc
+
+    @staticmethod
+    def operation_id(header: str | None) -> str:
+        if header is None or header == "":
+            return "agent-" + secrets.token_hex(12)
+        if not _ID.match(header):
+            raise InvalidRequest(
+                f"{OPERATION_HEADER}: {header!r} must be 8-80 letters, digits, '.', '_' or '-'"
+            )
+        return header
+
+    async def begin(
+        self, op_id: str, *, method: str, path: str, instance_id: str | None
+    ) -> dict[str, Any] | None:
+        """Record the operation as open; returns the earlier answer for a repeated id."""
+        async with self._lock:
+            known = self.operations.get(op_id)
+            if known is not None:
+                if known["state"] == "open":
+                    raise Conflict(f"operation {op_id} is still running")
+                if (known["method"], known["path"]) != (method, path):
+                    raise Conflict(
+                        f"operation id {op_id} was used for {known['method']} {known['path']}"
+                    )
+                return known
+            kind, target = describe_request(method, path)
+            self.operations[op_id] = {
+                "id": op_id,
+                "kind": kind,
+                "method": method,
+                "path": path,
+                "instanceId": instance_id or target,
+                "state": "open",
+                "openedAt": _now(),
+            }
+            await asyncio.to_thread(self._save)
+            return None
+
+    async def close(self, op_id: str, *, status: int, body: bytes | None) -> None:
+        async with self._lock:
+            op = self.operations.get(op_id)
+            if op is None:
+                return
+            op["state"] = "succeeded" if status < 400 else "failed"
+            op["status"] = status
+            op["body"] = (body or b"").decode("utf-8", "replace")[:65536]
+            op["closedAt"] = _now()
+            await asyncio.to_thread(self._save)
+
+    def reconcile(self, instance_state: Callable[[str], str | None]) -> int:
+        """Close operations a restart left open, from what the instance records show."""
+        closed = 0
+        for op in self.operations.values():
+            if op["state"] != "open":
+                continue
+            state = instance_state(op["instanceId"]) if op.get("instanceId") else None
+            if op["kind"] == "launch":
+                took = state is not None
+            elif op["kind"] in ("stop", "delete"):
+                took = state in (None, "Stopped", "Failed")
+            else:
+                took = False
+            op["state"] = "succeeded" if took else "failed"
+            op["status"] = 200 if took else 500
+            op["body"] = json.dumps(
+                {"reconciled": True, "note": "closed after an agent restart; not replayed"}
+            )
+            op["closedAt"] = _now()
+            closed += 1
+            log.info(
+                "Closed open operation %s (%s) as %s after a restart",
+                op["id"],
+                op["kind"],
+                op["state"],
+            )
+        if closed:
+            self._save()
+        return closed
