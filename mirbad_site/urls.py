@@ -37,6 +37,7 @@ urlpatterns = [
     path("", console.overview, name="overview"),
     path("nodes/add/", console.add_node, name="add-node"),
     path("takeover/", console.takeover, name="takeover"),
+    path("nodes/<str:node_id>/rekey/", console.rekey_node, name="node-rekey"),
     path("nodes/<str:node_id>/<str:action>/", console.node_action, name="node-action"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),

@@ -111,3 +111,14 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
 def takeover(request: HttpRequest) -> HttpResponse:
     services.takeover()
     return redirect("overview")
+
+
+@operator_required
+@require_POST
+def rekey_node(request: HttpRequest, node_id: str) -> HttpResponse:
+    """Rekey: a single-use token for a node whose identity was lost; engines keep running."""
+    try:
+        join = services.rekey_node(node_id)
+    except ServiceError as exc:
+        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
+    return render(request, "console/add_node.html", {"join": join, "rekey": True})

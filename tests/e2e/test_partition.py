@@ -233,6 +233,17 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
         assert engine_pids() == engines, "the engine was adopted, not restarted"
         answer = chat()
         assert answer.status_code == 200, answer.text
+
+        # A master restart loses nothing: records, pins and the running instance come
+        # back from the database and the agent's snapshot; the engine is untouched.
+        assert stack.stop() == 0
+        stack.start()
+        wait_for(lambda: api.get("/api/nodes/part-a").json()["state"] == "Online", 45, "rejoined")
+        wait_for(
+            lambda: api.get(f"/api/models/{model['id']}").json()["state"] == "Ready", 30, "Ready"
+        )
+        assert engine_pids() == engines
+        assert chat().status_code == 200
     finally:
         for proc in psutil.process_iter(["cmdline"]):
             cmd = " ".join(proc.info["cmdline"] or [])

@@ -142,3 +142,19 @@ async def test_another_node_id_is_refused(enrolled: Enrolled) -> None:
             await worker.connect()
     finally:
         await worker.client.aclose()
+
+
+async def test_no_common_protocol_is_incompatible(
+    enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import agent._server
+
+    monkeypatch.setattr(agent._server, "PROTOCOL_VERSIONS", (99,))
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        status = await status_cache.aread("n1")
+        assert status is not None and status["state"] == "Incompatible"
+        assert "no common protocol version" in status["lastError"]
+    finally:
+        await worker.client.aclose()

@@ -123,6 +123,8 @@ def test_console_add_node_and_actions(operator, viewer, status_redis) -> None:
     assert 'data-action="approve"' in overview and "PendingApproval" in overview
     assert client.post("/nodes/gpu-2/approve/").status_code == 302
     assert Node.objects.get(node_id="gpu-2").approved
+    rekey = client.post("/nodes/gpu-2/rekey/").content.decode()
+    assert "Rekey gpu-2" in rekey and "--force" in rekey and 'id="join-token"' in rekey
     assert client.post("/nodes/gpu-2/drain/").status_code == 302
     assert Node.objects.get(node_id="gpu-2").draining
     assert client.post("/nodes/gpu-2/revoke/").status_code == 302
