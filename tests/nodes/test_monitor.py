@@ -158,3 +158,16 @@ async def test_no_common_protocol_is_incompatible(
         assert "no common protocol version" in status["lastError"]
     finally:
         await worker.client.aclose()
+
+
+async def test_revoked_node_is_refused_on_its_next_connection(enrolled: Enrolled) -> None:
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    await worker.connect()
+    await worker.client.aclose()
+    revoked = await sync_to_async(services.revoke_node)("n1")
+    again = NodeWorker(node=revoked, stop=asyncio.Event())
+    try:
+        with pytest.raises(AgentUnreachable, match="certificate was refused"):
+            await again.connect()
+    finally:
+        await again.client.aclose()

@@ -131,3 +131,24 @@ def test_console_add_node_and_actions(operator, viewer, status_redis) -> None:
     assert Node.objects.get(node_id="gpu-2").revoked
     assert client.get("/nodes/gpu-2/revoke/").status_code == 405
     assert client.post("/nodes/gpu-2/explode/").status_code == 404
+
+
+@pytest.mark.django_db
+def test_console_takeover_banner_and_action(operator, status_redis) -> None:
+    import json
+
+    from django.conf import settings
+
+    node = make_node("n1")
+    set_status(node, "PendingTakeover")
+    client = Client()
+    client.force_login(operator)
+    assert 'id="takeover"' in client.get("/").content.decode()
+    path = settings.MIRBAD.data_path / "master.json"
+    path.unlink(missing_ok=True)
+    # The node's agent cannot be reached here: takeover records it and still raises the epoch.
+    assert client.post("/takeover/").status_code == 302
+    assert json.loads(path.read_text())["epoch"] >= 1
+    record = json.loads((settings.MIRBAD.data_path / "takeover.json").read_text())
+    assert str(record["nodes"]["n1"]).startswith("unreachable")
+    path.unlink()
