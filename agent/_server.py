@@ -32,10 +32,13 @@ from agent._errors import (
 from agent._events import EventBus
 from agent._executables import Catalogue
 from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
+from agent._gguf import read_header
+from agent._gguf import summary as gguf_summary
 from agent._identity import Identity, check_master_client_cert, server_ssl_context
 from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
 from agent._process import ProcessRuntime
 from agent._proxy import Proxy, Upstream
+from agent._spec import FOLDER_RE, resolve_model_path
 from agent._telemetry import HealthMonitor, Telemetry, host_facts
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
@@ -45,7 +48,7 @@ __all__ = ["ERROR_HEADER", "AgentServer", "error_middleware"]
 log = logging.getLogger("mirbad.agent.server")
 T = TypeVar("T")
 
-FEATURES = ["runtime.llamacpp.process", "telemetry", "events"]
+FEATURES = ["runtime.llamacpp.process", "telemetry", "events", "gguf.inspect"]
 
 
 ERROR_HEADER = "x-mirbad-agent-error"
@@ -230,6 +233,7 @@ class AgentServer:
         r.add_post("/agent/v1/instances", self.handle_launch)
         r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
         r.add_delete("/agent/v1/instances/{instanceId}", self.handle_delete)
+        r.add_get("/agent/v1/folders/{folder}/gguf", self.handle_gguf)
         r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
         r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
         return app
@@ -335,6 +339,39 @@ class AgentServer:
         """Memory and disk ride on every heartbeat: they change, unlike the rest of /info."""
         paths = [self.config.models_root_path, self.config.state_directory]
         return {"time": utc_now_iso(), "memory": memory(), "disks": disks(paths)}
+
+    async def handle_gguf(self, request: web.Request) -> web.Response:
+        """The header summary of a GGUF in a model folder, read under hard bounds."""
+        folder = request.match_info["folder"]
+        file = request.query.get("file")
+        root = self.config.models_root_path
+        if file is None:
+            if not FOLDER_RE.fullmatch(folder) or folder in (".", ".."):
+                raise InvalidRequest(f"folder {folder!r} must match ^[A-Za-z0-9._-]{{1,200}}$")
+            directory = root / folder
+            if not directory.is_dir():
+                raise NotFound(f"model folder {folder!r} does not exist on this node")
+            candidates = sorted(
+                p.name
+                for p in directory.iterdir()
+                if p.suffix == ".gguf" and not p.name.startswith("mmproj-") and p.is_file()
+            )
+            if not candidates:
+                raise NotFound(f"model folder {folder!r} holds no model GGUF")
+            if len(candidates) > 1:
+                # The list is also structured: a file name may itself contain a comma.
+                raise InvalidRequest(
+                    f"'{folder}' has several model GGUFs; choose one with ?file=: "
+                    + ", ".join(candidates),
+                    details={"candidates": candidates},
+                )
+            file = candidates[0]
+        try:
+            path = resolve_model_path(root, folder, file)
+        except ApiError as exc:
+            raise NotFound(exc.message) from None
+        header = await asyncio.to_thread(read_header, path)
+        return web.json_response({"folder": folder, "file": file, **gguf_summary(header)})
 
     async def handle_info(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -47,6 +47,7 @@ urlpatterns = [
     path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),
     path("api/join-tokens", node_api.JoinTokenCreate.as_view()),
     path("api/takeover", node_api.Takeover.as_view()),
+    path("api/model-folders/<str:folder>/gguf", node_api.ModelFolderGguf.as_view()),
     path("api/nodes/<str:node_id>/approve", node_api.NodeAction.as_view(action="approve")),
     path("api/nodes/<str:node_id>/revoke", node_api.NodeAction.as_view(action="revoke")),
     path("api/nodes/<str:node_id>/drain", node_api.NodeAction.as_view(action="drain")),

@@ -35,11 +35,14 @@ class AgentUnreachable(AgentError):
 class AgentRefused(AgentError):
     """The agent answered with an error document."""
 
-    def __init__(self, *, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, *, status: int, code: str, message: str, details: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.status = status
         self.code = code
         self.message = message
+        self.details = details or {}
 
 
 def _base(node: Node) -> str:
@@ -58,12 +61,15 @@ def _describe(exc: Exception) -> str:
 
 def _check(response: httpx.Response) -> Any:
     if response.status_code >= 400:
+        details: dict[str, Any] = {}
         try:
             error = response.json()["error"]
             code, message = str(error["code"]), str(error["message"])
+            if isinstance(error.get("details"), dict):
+                details = error["details"]
         except (ValueError, KeyError, TypeError):
             code, message = "unexpected_answer", response.text[:200]
-        raise AgentRefused(status=response.status_code, code=code, message=message)
+        raise AgentRefused(status=response.status_code, code=code, message=message, details=details)
     if response.status_code == 204 or not response.content:
         return None
     try:
@@ -121,6 +127,10 @@ class AgentClient:
 
     def stop(self, instance_id: str) -> dict[str, Any]:
         return self._request("POST", f"/instances/{instance_id}/stop", headers=self._fenced())
+
+    def gguf(self, folder: str, file: str | None) -> dict[str, Any]:
+        params = {"file": file} if file else None
+        return self._request("GET", f"/folders/{folder}/gguf", params=params)
 
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]

@@ -476,3 +476,74 @@ def rekey_node(node_id: str, *, lifetime_minutes: object = None) -> dict[str, ob
             "--state-dir /var/lib/mirbad-agent"
         ),
     }
+
+
+def node_from_param(value: str | None, *, action: str) -> Node:
+    """The ``?node=`` rules of seed 002 section 6, for routes that act on one node."""
+    import re
+
+    from mirbad_site.config import NODE_ID_PATTERN
+    from mirbad_site.errors import ServiceError
+    from nodes import status_cache
+    from nodes.states import SERVING
+
+    if value is None or value == "":
+        members = list(Node.objects.filter(revoked=False)[:2])
+        if len(members) > 1:
+            raise ServiceError(
+                400,
+                "node_required",
+                "More than one node exists; name the node with ?node=<id>.",
+            )
+        if not members:
+            raise ServiceError(404, "not_found", "No node exists yet.")
+        node = members[0]
+    else:
+        if not re.match(NODE_ID_PATTERN, value):
+            raise ServiceError(400, "invalid_request", "?node= is not a valid node id.")
+        node = Node.objects.filter(node_id=value, revoked=False).first()
+        if node is None:
+            raise ServiceError(404, "not_found", f"Node '{value}' does not exist.")
+    if not node.approved:
+        raise ServiceError(
+            409,
+            "invalid_state",
+            f"Node '{node.node_id}' is not approved yet; approve it first.",
+        )
+    status = status_cache.read(node.node_id)
+    state = status.get("state") if status else "Offline"
+    if state not in SERVING:
+        raise ServiceError(
+            503,
+            "node_not_serving",
+            f"Node {node.node_id} is not serving (state: {state}); {action} cannot be done now.",
+        )
+    return node
+
+
+def read_gguf(*, node_param: str | None, folder: str, file: str | None) -> dict[str, object]:
+    """The header summary of a GGUF on a node (GET /api/model-folders/{folder}/gguf)."""
+    from mirbad_site.errors import ServiceError
+    from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
+
+    node = node_from_param(node_param, action="its GGUF files cannot be read")
+    features = (node.facts or {}).get("features") or []
+    if "gguf.inspect" not in features:
+        raise ServiceError(
+            501,
+            "not_supported",
+            f"Node '{node.node_id}' cannot read GGUF headers (feature 'gguf.inspect').",
+        )
+    try:
+        with AgentClient(node=node) as client:
+            result = client.gguf(folder, file)
+    except AgentUnreachable as exc:
+        raise ServiceError(503, "node_unreachable", str(exc)) from exc
+    except AgentRefused as exc:
+        raise ServiceError(
+            exc.status if exc.status in (400, 404, 422) else 502,
+            exc.code,
+            exc.message,
+            details=exc.details,
+        ) from exc
+    return {"node": node.node_id, **result}

@@ -111,3 +111,16 @@ class NodeRekey(APIView):
         body = request.data if isinstance(request.data, dict) else {}
         result = services.rekey_node(node_id, lifetime_minutes=body.get("lifetimeMinutes"))
         return Response(result, status=201)
+
+
+class ModelFolderGguf(APIView):
+    """GET /api/model-folders/{folder}/gguf?file=&node=: a GGUF header summary from a node."""
+
+    def get(self, request: Request, folder: str) -> Response:
+        return Response(
+            services.read_gguf(
+                node_param=request.query_params.get("node"),
+                folder=folder,
+                file=request.query_params.get("file"),
+            )
+        )

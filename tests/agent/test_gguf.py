@@ -99,3 +99,25 @@ def test_tensor_outside_the_file(tiny: bytes, tmp_path: Path) -> None:
     field = at + 8 + len(name) + 4 + 8 * len(last["shape"]) + 4
     bad = tiny[:field] + struct.pack("<Q", 2**40) + tiny[field + 8 :]
     _refused(tmp_path, bad, "outside the file")
+
+
+async def test_gguf_endpoint(running_agent, tiny: bytes) -> None:
+    root = running_agent.server.config.models_root_path
+    (root / "one").mkdir()
+    (root / "one" / "m.gguf").write_bytes(tiny)
+    (root / "one" / "mmproj-x.gguf").write_bytes(b"not a model")
+    url = running_agent.url
+    async with running_agent.session.get(url("/agent/v1/folders/one/gguf")) as resp:
+        body = await resp.json()
+        assert resp.status == 200 and body["file"] == "m.gguf" and body["blockCount"] == 2
+    (root / "one" / "b.gguf").write_bytes(tiny[:100])
+    async with running_agent.session.get(url("/agent/v1/folders/one/gguf")) as resp:
+        body = await resp.json()
+        assert resp.status == 400
+        assert body["error"]["details"]["candidates"] == ["b.gguf", "m.gguf"]
+    async with running_agent.session.get(url("/agent/v1/folders/one/gguf?file=b.gguf")) as resp:
+        assert resp.status == 422 and (await resp.json())["error"]["code"] == "gguf_invalid"
+    async with running_agent.session.get(url("/agent/v1/folders/one/gguf?file=../x")) as resp:
+        assert resp.status == 404
+    async with running_agent.session.get(url("/agent/v1/folders/nope/gguf")) as resp:
+        assert resp.status == 404

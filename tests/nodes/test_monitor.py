@@ -7,62 +7,20 @@ CA, so the pinned TLS context is exercised exactly as in production.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from asgiref.sync import sync_to_async
 
-from agent import AgentConfig, AgentServer
-from agent._identity import generate_key_and_csr, load_identity, store_identity
 from nodes import services, status_cache
 from nodes.agent_client import AgentUnreachable
 from nodes.models import Node
 from nodes.monitor import NodeWorker
+from tests.nodes.conftest import Enrolled
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("close_db_after", "status_redis"),
 ]
-
-
-@dataclass
-class Enrolled:
-    node: Node
-    server: AgentServer
-
-
-def _enroll(state_dir: Path) -> Node:
-    token = services.create_token(node_id="n1", purpose="join", lifetime=dt.timedelta(hours=1))
-    key, csr = generate_key_and_csr("n1")
-    answer = services.enroll(token=token, node_id="n1", csr_pem=csr.decode(), addresses=[])
-    store_identity(
-        state_dir, key=key, cert_pem=answer["certPem"].encode(), ca_pem=answer["caCertPem"].encode()
-    )
-    Node.objects.filter(node_id="n1").update(approved=True)
-    return Node.objects.get(node_id="n1")
-
-
-@pytest.fixture
-async def enrolled(tmp_path: Path) -> AsyncIterator[Enrolled]:
-    state = tmp_path / "state"
-    node = await sync_to_async(_enroll)(state)
-    config = AgentConfig(
-        node_id="n1", state_directory=state, models_root=tmp_path / "models", port=0
-    )
-    (tmp_path / "models").mkdir()
-    server = AgentServer(
-        config=config, identity=load_identity(state, node_id="n1"), heartbeat_interval=0.2
-    )
-    await server.start()
-    node.address = f"https://127.0.0.1:{server.port}"
-    await sync_to_async(node.save)()
-    try:
-        yield Enrolled(node=node, server=server)
-    finally:
-        await server.stop()
 
 
 async def test_connect_takes_info_and_snapshot(enrolled: Enrolled) -> None:
