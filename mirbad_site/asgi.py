@@ -15,7 +15,7 @@ from django.core.asgi import get_asgi_application
 django_app = get_asgi_application()
 
 from channels.auth import AuthMiddlewareStack  # noqa: E402
-from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.routing import URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
@@ -36,10 +36,6 @@ async def http_dispatch(scope: dict, receive: object, send: object) -> None:
         await http_app(scope, receive, send)  # type: ignore[arg-type]
 
 
-async def lifespan(scope: dict, receive: object, send: object) -> None:
-    await router_app(scope, receive, send)
-
-
 websocket_app = AllowedHostsOriginValidator(
     AuthMiddlewareStack(URLRouter([path("ws/fleet/", FleetConsumer.as_asgi())]))
 )
@@ -57,4 +53,3 @@ class _Dispatch:
 
 
 application = _Dispatch()
-_ = ProtocolTypeRouter  # kept importable for tooling that expects Channels' router

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,7 +21,8 @@ from django.db import transaction
 from django.utils import timezone
 
 from mirbad_site.atomic import write_atomic
-from mirbad_site.config import MasterConfig
+from mirbad_site.config import NODE_ID_PATTERN, MasterConfig
+from mirbad_site.errors import ServiceError
 from nodes import pki
 from nodes.models import JoinToken, Node
 
@@ -274,8 +276,6 @@ def _context_cached(
 
 
 def _node_or_404(node_id: str) -> Node:
-    from mirbad_site.errors import ServiceError
-
     node = Node.objects.filter(node_id=node_id).first()
     if node is None:
         raise ServiceError(404, "not_found", f"Node '{node_id}' does not exist.")
@@ -288,10 +288,6 @@ def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> di
     The token is returned once and stored only as its hash. A node id that is
     already enrolled (or revoked) is refused: that is what rekey is for.
     """
-    import re
-
-    from mirbad_site.config import NODE_ID_PATTERN
-    from mirbad_site.errors import ServiceError
 
     if not isinstance(node_id, str) or not re.match(NODE_ID_PATTERN, node_id):
         raise ServiceError(
@@ -300,12 +296,6 @@ def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> di
             "nodeId: use lower-case letters, digits and '-', starting with a letter or digit "
             "(at most 40 characters).",
         )
-    cfg = config()
-    minutes = cfg.join_token_minutes if lifetime_minutes is None else lifetime_minutes
-    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10080:
-        raise ServiceError(
-            400, "invalid_request", "lifetimeMinutes: a whole number from 1 to 10080."
-        )
     existing = Node.objects.filter(node_id=node_id).first()
     if existing is not None and existing.revoked:
         raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked; pick another id.")
@@ -313,19 +303,27 @@ def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> di
         raise ServiceError(
             409, "node_enrolled", f"Node '{node_id}' is already enrolled; use rekey instead."
         )
-    token = create_token(
-        node_id=node_id,
-        purpose=JoinToken.Purpose.JOIN,
-        lifetime=dt.timedelta(minutes=minutes),
-    )
+    return _issue_token(node_id, JoinToken.Purpose.JOIN, lifetime_minutes)
+
+
+def _issue_token(node_id: str, purpose: str, lifetime_minutes: object) -> dict[str, object]:
+    """Create a join or rekey token and the answer shown once: token, CA hash, command."""
+    cfg = config()
+    minutes = cfg.join_token_minutes if lifetime_minutes is None else lifetime_minutes
+    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10080:
+        raise ServiceError(
+            400, "invalid_request", "lifetimeMinutes: a whole number from 1 to 10080."
+        )
+    token = create_token(node_id=node_id, purpose=purpose, lifetime=dt.timedelta(minutes=minutes))
     ca_hash = "sha256:" + master_pki().ca.spki_sha256
     expires = timezone.now() + dt.timedelta(minutes=minutes)
+    force = " --force" if purpose == JoinToken.Purpose.REKEY else ""
     command = (
-        f"MIRBAD_JOIN_TOKEN=<token> python -m agent join --enroll-url {cfg.enroll_endpoint} "
-        f"--ca-hash {ca_hash} --node-id {node_id} --state-dir /var/lib/mirbad-agent "
-        "--address https://<this machine>:9443"
+        f"MIRBAD_JOIN_TOKEN=<token> python -m agent join{force} --enroll-url "
+        f"{cfg.enroll_endpoint} --ca-hash {ca_hash} --node-id {node_id} "
+        "--state-dir /var/lib/mirbad-agent --address https://<this machine>:9443"
     )
-    log.info("Created a join token for node %s (expires %s)", node_id, expires.isoformat())
+    log.info("Created a %s token for node %s (expires %s)", purpose, node_id, expires.isoformat())
     return {
         "nodeId": node_id,
         "token": token,
@@ -338,8 +336,6 @@ def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> di
 
 def approve_node(node_id: str) -> Node:
     """Approval is the trust gate: before it the monitor sends the node nothing."""
-    from mirbad_site.errors import ServiceError
-
     node = _node_or_404(node_id)
     if node.revoked:
         raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked.")
@@ -382,21 +378,14 @@ def announce(node: Node) -> None:
     from asgiref.sync import async_to_sync
 
     from nodes import events, status_cache
+    from nodes.monitor import node_summary
     from nodes.states import registry_state
 
-    status = status_cache.read(node.node_id) or {"nodeId": node.node_id}
+    status = dict(status_cache.read(node.node_id) or {"nodeId": node.node_id})
     fixed = registry_state(approved=node.approved, revoked=node.revoked)
-    summary = {
-        "nodeId": node.node_id,
-        "state": fixed.value if fixed else status.get("state", "Offline"),
-        "reasons": [r.get("code", "") for r in status.get("reasons", [])],
-        "cpuPercent": None,
-        "memoryPercent": None,
-        "memoryUsedBytes": None,
-        "memoryTotalBytes": None,
-        "lastSeen": status.get("lastSeen"),
-    }
-    event = events.NodeUpdated(type="node.updated", node=summary)  # type: ignore[typeddict-item]
+    if fixed is not None:
+        status["state"] = fixed.value
+    event = events.NodeUpdated(type="node.updated", node=node_summary(status))  # type: ignore[arg-type]
     async_to_sync(events.publish)([events.FLEET_GROUP, events.node_group(node.node_id)], event)
 
 
@@ -445,45 +434,18 @@ def rekey_node(node_id: str, *, lifetime_minutes: object = None) -> dict[str, ob
     token replaces its pin, so the monitor reconnects with the new key while
     the engines on the node keep running.
     """
-    from mirbad_site.errors import ServiceError
-
     node = _node_or_404(node_id)
     if node.revoked:
         raise ServiceError(409, "node_revoked", f"Node '{node_id}' is revoked.")
-    cfg = config()
-    minutes = cfg.join_token_minutes if lifetime_minutes is None else lifetime_minutes
-    if isinstance(minutes, bool) or not isinstance(minutes, int) or not 1 <= minutes <= 10080:
-        raise ServiceError(
-            400, "invalid_request", "lifetimeMinutes: a whole number from 1 to 10080."
-        )
     JoinToken.objects.filter(
         node_id=node_id, purpose=JoinToken.Purpose.REKEY, used_at__isnull=True
     ).delete()
-    token = create_token(
-        node_id=node_id, purpose=JoinToken.Purpose.REKEY, lifetime=dt.timedelta(minutes=minutes)
-    )
-    ca_hash = "sha256:" + master_pki().ca.spki_sha256
-    log.warning("Created a rekey token for node %s", node_id)
-    return {
-        "nodeId": node_id,
-        "token": token,
-        "expiresAt": (timezone.now() + dt.timedelta(minutes=minutes)).isoformat(),
-        "enrollUrl": cfg.enroll_endpoint,
-        "caHash": ca_hash,
-        "command": (
-            f"MIRBAD_JOIN_TOKEN=<token> python -m agent join --force --enroll-url "
-            f"{cfg.enroll_endpoint} --ca-hash {ca_hash} --node-id {node_id} "
-            "--state-dir /var/lib/mirbad-agent"
-        ),
-    }
+    return _issue_token(node_id, JoinToken.Purpose.REKEY, lifetime_minutes)
 
 
 def node_from_param(value: str | None, *, action: str) -> Node:
     """The ``?node=`` rules of seed 002 section 6, for routes that act on one node."""
-    import re
 
-    from mirbad_site.config import NODE_ID_PATTERN
-    from mirbad_site.errors import ServiceError
     from nodes import status_cache
     from nodes.states import SERVING
 
@@ -523,7 +485,6 @@ def node_from_param(value: str | None, *, action: str) -> Node:
 
 def read_gguf(*, node_param: str | None, folder: str, file: str | None) -> dict[str, object]:
     """The header summary of a GGUF on a node (GET /api/model-folders/{folder}/gguf)."""
-    from mirbad_site.errors import ServiceError
     from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
 
     node = node_from_param(node_param, action="its GGUF files cannot be read")

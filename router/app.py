@@ -210,26 +210,15 @@ class RouterApp:
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
         overhead = time.perf_counter() - started
         try:
-            response = None
-            for fresh in (False, True):
-                try:
-                    # A pooled connection the agent closed (it restarted) fails at once,
-                    # before the request is read; the second try gets a new connection.
-                    response = await self.session().request(
-                        "POST", url, data=body, headers=forward, ssl=context
-                    )
-                    break
-                except aiohttp.ServerDisconnectedError as exc:
-                    if fresh:
-                        raise _RetryableBeforeFirstByte(
-                            errors.node_unreachable(name, node.node_id)
-                        ) from exc
-                except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-                    log.warning("Node %s unreachable for %s: %r", node.node_id, name, exc)
-                    raise _RetryableBeforeFirstByte(
-                        errors.node_unreachable(name, node.node_id)
-                    ) from exc
-            assert response is not None
+            try:
+                response = await self.session().request(
+                    "POST", url, data=body, headers=forward, ssl=context
+                )
+            except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+                log.warning("Node %s unreachable for %s: %r", node.node_id, name, exc)
+                raise _RetryableBeforeFirstByte(
+                    errors.node_unreachable(name, node.node_id)
+                ) from exc
             async with response:
                 agent_error = response.headers.get(AGENT_ERROR_HEADER)
                 if agent_error:

@@ -64,7 +64,11 @@ def test_up_demo_then_second_run_reuses_everything(make_stack) -> None:
     # The engine is a real llama-server started by the agent.
     engines = [p for p in stack.leftovers() if "llama-server" in " ".join(p.cmdline())]
     assert len(engines) == 1
-    assert "LLAMA_API_KEY" not in " ".join(engines[0].cmdline())
+    # The per-instance key is in the engine's environment, never in its argv.
+    engine_key = engines[0].environ().get("LLAMA_API_KEY")
+    assert engine_key and len(engine_key) >= 32
+    assert engine_key not in " ".join(engines[0].cmdline())
+    assert engine_key != key
 
     ca_before = (stack.data / "pki" / "ca.crt").read_bytes()
     assert stack.stop() == 0
