@@ -12,6 +12,7 @@ violation is :class:`GgufInvalid` (answered ``422 gguf_invalid``).
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 import time
 from dataclasses import dataclass
@@ -231,7 +232,53 @@ def summary(header: Header) -> dict[str, Any]:
         else True,
         "tensorBytes": sum(t["bytes"] for t in header.tensors),
         "fileSize": header.file_size,
+        "splitCount": md.get("split.count") if isinstance(md.get("split.count"), int) else 1,
+        # Hybrid (attention + SSM) models: the estimate needs these for the SSM state.
+        "fullAttentionInterval": arch_key("full_attention_interval"),
+        "ssmConvKernel": arch_key("ssm.conv_kernel"),
+        "ssmInnerSize": arch_key("ssm.inner_size"),
+        "ssmStateSize": arch_key("ssm.state_size"),
+        "ssmGroupCount": arch_key("ssm.group_count"),
     }
+
+
+_SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def is_model_file(name: str) -> bool:
+    """A GGUF an instance can be started from: not a projector, not a later split part."""
+    if not name.endswith(".gguf") or name.startswith("mmproj-"):
+        return False
+    match = _SPLIT_RE.match(name)
+    return match is None or int(match["index"]) == 1
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """The summary of a GGUF, with the tensor data of every split part added up.
+
+    llama.cpp is given the first part and loads the others itself, so the
+    estimate's weights term is the sum over ``name-0000i-of-0000N.gguf``; a part
+    that is missing is reported, not silently counted as zero.
+    """
+    first = summary(read_header(path))
+    count = first["splitCount"]
+    first["parts"] = [path.name]
+    first["tensorBytesAllParts"] = first["tensorBytes"]
+    match = _SPLIT_RE.match(path.name)
+    if count <= 1 or match is None:
+        return first
+    total = 0
+    parts = []
+    for index in range(1, count + 1):
+        name = f"{match['stem']}-{index:05d}-of-{count:05d}.gguf"
+        part = path.with_name(name)
+        if not part.is_file():
+            raise GgufInvalid(f"{path.name}: split part {name} of {count} is missing")
+        total += summary(read_header(part))["tensorBytes"]
+        parts.append(name)
+    first["parts"] = parts
+    first["tensorBytesAllParts"] = total
+    return first
 
 
 def _elements(shape: list[int]) -> int:

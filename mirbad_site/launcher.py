@@ -331,7 +331,7 @@ class Launcher:
     def demo_model(self) -> str:
         """Write the tiny GGUF, define ``demo`` on the local node, start it, wait for Ready."""
         from agent import write_tiny_gguf
-        from models_registry import services
+        from models_registry import lifecycle, services
         from models_registry.models import ModelDefinition
 
         folder = self.config.data_path / "models" / "demo"
@@ -350,7 +350,7 @@ class Launcher:
                     "node": self.config.bootstrap_node_id,
                 }
             )
-        services.start_model(model.pk)
+        lifecycle.start_model(model.pk)
         deadline = time.monotonic() + STARTUP_TIMEOUT
         from nodes import status_cache
 

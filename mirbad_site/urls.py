@@ -8,6 +8,7 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
 
+from models_registry.api import downloads as download_api
 from models_registry.api import views as model_api
 from nodes import status_cache
 from nodes import views as console
@@ -47,7 +48,12 @@ urlpatterns = [
     path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),
     path("api/join-tokens", node_api.JoinTokenCreate.as_view()),
     path("api/takeover", node_api.Takeover.as_view()),
+    path("api/model-folders", download_api.ModelFolderList.as_view()),
     path("api/model-folders/<str:folder>/gguf", node_api.ModelFolderGguf.as_view()),
+    path("api/downloads", download_api.DownloadList.as_view()),
+    path("api/downloads/inspect", download_api.DownloadInspect.as_view()),
+    path("api/downloads/<str:folder>", download_api.DownloadDetail.as_view()),
+    path("api/reclaim", download_api.Reclaim.as_view()),
     path("api/nodes/<str:node_id>/approve", node_api.NodeAction.as_view(action="approve")),
     path("api/nodes/<str:node_id>/revoke", node_api.NodeAction.as_view(action="revoke")),
     path("api/nodes/<str:node_id>/drain", node_api.NodeAction.as_view(action="drain")),
@@ -57,6 +63,13 @@ urlpatterns = [
     path("api/models/<int:model_id>", model_api.ModelDetail.as_view()),
     path("api/models/<int:model_id>/start", model_api.ModelStart.as_view()),
     path("api/models/<int:model_id>/stop", model_api.ModelStop.as_view()),
+    path("api/models/<int:model_id>/restart", model_api.ModelRestart.as_view()),
+    path("api/models/<int:model_id>/estimate", model_api.ModelEstimate.as_view()),
+    path(
+        "api/models/<int:model_id>/placement-suggestions",
+        model_api.PlacementSuggestions.as_view(),
+    ),
+    path("api/estimate-accuracy", model_api.EstimateAccuracy.as_view()),
     path("api/keys", key_api.KeyList.as_view()),
     path("api/keys/<int:key_id>", key_api.KeyDetail.as_view()),
 ]

@@ -160,8 +160,19 @@ def _check_extra_args(args: list[str]) -> str | None:
     return None
 
 
-def build_argv(*, settings: LlamaCppSettings, served_name: str) -> list[str]:
-    """The canonical llama-server argv, with ``{model}`` and ``{port}`` left to the agent."""
+def build_argv(
+    *,
+    settings: LlamaCppSettings,
+    served_name: str,
+    gpus: int = 0,
+    tensor_split: list[int] | None = None,
+) -> list[str]:
+    """The canonical llama-server argv, with ``{model}`` and ``{port}`` left to the agent.
+
+    ``gpus`` is the number of GPUs the placement pins (the agent makes exactly
+    those visible, so devices are always CUDA0..N-1 of the renumbered set);
+    ``tensor_split`` holds the per-GPU budgets for a multi-GPU placement.
+    """
     argv: list[str] = ["-m", MODEL_PLACEHOLDER, "--alias", served_name]
     argv += ["-c", str(settings.context_size * settings.parallel)]
     argv += ["-np", str(settings.parallel)]
@@ -182,6 +193,12 @@ def build_argv(*, settings: LlamaCppSettings, served_name: str) -> list[str]:
             argv += ["--pooling", settings.pooling]
     if settings.chat_template:
         argv += ["--chat-template", settings.chat_template.removeprefix("builtin:")]
+    if gpus == 1:
+        argv += ["--split-mode", "none", "--device", "CUDA0"]
+    elif gpus > 1:
+        argv += ["--device", ",".join(f"CUDA{i}" for i in range(gpus))]
+        if tensor_split:
+            argv += ["--tensor-split", ",".join(str(max(1, b // 2**20)) for b in tensor_split)]
     argv += ["--reasoning", settings.reasoning]
     if settings.threads is not None:
         argv += ["-t", str(settings.threads)]

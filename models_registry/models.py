@@ -37,6 +37,12 @@ class ModelDefinition(models.Model):
     settings = models.JSONField(default=dict, blank=True, help_text="Typed runtime settings")
     executable_version = models.CharField(max_length=60, blank=True)
     auto_start = models.BooleanField(default=False)
+    # Why auto-start last left this model stopped (empty when it did not).
+    auto_start_note = models.CharField(max_length=500, blank=True)
+    # Set by hand to override the estimate; admission uses it when present.
+    memory_budget_bytes = models.BigIntegerField(null=True, blank=True)
+    # The last estimate computed from the GGUF header: breakdown, header facts, when.
+    estimate = models.JSONField(default=dict, blank=True)
     desired_state = models.CharField(max_length=16, choices=Desired.choices, default="stopped")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -54,6 +60,9 @@ class Placement(models.Model):
     model = models.ForeignKey(ModelDefinition, on_delete=models.CASCADE, related_name="placements")
     node = models.ForeignKey("nodes.Node", on_delete=models.PROTECT, related_name="placements")
     gpu_uuids = models.JSONField(default=list, blank=True)
+    # Bytes per GPU, in gpu_uuids order; empty means "the budget split by each
+    # card's free memory". A map that names only some GPUs is refused.
+    gpu_budgets = models.JSONField(default=list, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -69,3 +78,35 @@ class Placement(models.Model):
     def instance_id(self) -> str:
         """The id the agent knows this replica by (stable across restarts)."""
         return f"m{self.model_id}-p{self.pk}"
+
+
+class MemorySample(models.Model):
+    """One start's budget beside what the instance really used once Ready.
+
+    Kept so the estimate's error can be reported per architecture and
+    quantisation (seed 002 section 7.4): the estimate is deliberately on the
+    safe side, and these pairs show by how much.
+    """
+
+    model = models.ForeignKey(
+        ModelDefinition, on_delete=models.SET_NULL, null=True, related_name="memory_samples"
+    )
+    served_name = models.CharField(max_length=200)
+    node_id = models.CharField(max_length=40)
+    instance_id = models.CharField(max_length=64)
+    ready_at = models.CharField(max_length=40, help_text="The instance's readyAt, one row a start")
+    architecture = models.CharField(max_length=60, blank=True)
+    file_type = models.CharField(max_length=20, blank=True, help_text="GGUF general.file_type")
+    budget_bytes = models.BigIntegerField()
+    measured_bytes = models.BigIntegerField()
+    kind = models.CharField(max_length=16, help_text="rss or gpu-delta")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["instance_id", "ready_at"], name="one_sample_per_start")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.served_name} on {self.node_id}: {self.measured_bytes}/{self.budget_bytes}"

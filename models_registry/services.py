@@ -18,7 +18,6 @@ from mirbad_site.errors import ServiceError
 from models_registry import llamacpp
 from models_registry.models import ModelDefinition, Placement
 from nodes import status_cache
-from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
 from nodes.models import Node
 from nodes.states import SERVING
 
@@ -102,28 +101,137 @@ def _resolve_node(node_id: Any) -> Node:
     return node
 
 
+GPU_UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z-]{8,64}$")
+
+
+def _clean_placements(data: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """``placements`` (or the ``node`` shorthand) checked; None when neither was given.
+
+    Each item is ``{"node", "gpuUuids"?, "gpuBudgets"?}``. GPU UUIDs must be
+    ones the node reported; budgets, when given, name every GPU of the item.
+    """
+    if "placements" in data and "node" in data:
+        raise _invalid("placements", "give either placements or node, not both")
+    if "node" in data:
+        raw: Any = [] if data["node"] is None else [{"node": data["node"]}]
+    elif "placements" in data:
+        raw = data["placements"]
+    else:
+        return None
+    if not isinstance(raw, list) or len(raw) > 64:
+        raise _invalid("placements", "must be a list of at most 64 {node, gpuUuids} objects")
+    out: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw):
+        field = f"placements[{i}]"
+        if not isinstance(item, dict) or set(item) - {"node", "gpuUuids", "gpuBudgets"}:
+            raise _invalid(field, "must be an object with node, gpuUuids and gpuBudgets only")
+        node = _resolve_node(item.get("node"))
+        if node.node_id in seen:
+            raise _invalid(field, f"node '{node.node_id}' is listed twice; replicas need "
+                           "different nodes")  # fmt: skip
+        seen.add(node.node_id)
+        uuids = item.get("gpuUuids") or []
+        if (
+            not isinstance(uuids, list)
+            or len(uuids) > 16
+            or len(set(uuids)) != len(uuids)
+            or not all(isinstance(u, str) and GPU_UUID.match(u) for u in uuids)
+        ):
+            raise _invalid(f"{field}.gpuUuids", "must be a list of distinct GPU UUIDs (GPU-...)")
+        known = {g.get("uuid") for g in (node.facts or {}).get("gpus") or [] if isinstance(g, dict)}
+        unknown = [u for u in uuids if u not in known]
+        if unknown:
+            have = ", ".join(sorted(k for k in known if k)) or "none"
+            raise _invalid(
+                f"{field}.gpuUuids",
+                f"node '{node.node_id}' has no GPU {unknown[0]} (it reported: {have})",
+            )
+        budgets = item.get("gpuBudgets") or []
+        if not isinstance(budgets, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in budgets
+        ):
+            raise _invalid(f"{field}.gpuBudgets", "must be a list of positive byte counts")
+        if budgets and len(budgets) != len(uuids):
+            raise _invalid(
+                f"{field}.gpuBudgets",
+                f"names {len(budgets)} budgets for {len(uuids)} GPUs; a partial per-GPU "
+                "budget map is refused, name every GPU or none",
+            )
+        out.append({"node": node, "gpu_uuids": uuids, "gpu_budgets": budgets})
+    return out
+
+
+def _apply_placements(model: ModelDefinition, wanted: list[dict[str, Any]]) -> None:
+    """Make the model's placements match ``wanted``, keeping the rows of nodes still listed.
+
+    Keeping rows keeps instance ids stable, so a replica added to a running model
+    does not orphan the ones already running. Removing a replica of a running
+    model is refused: its engine would keep running with nothing pointing at it.
+    """
+    current = {p.node_id: p for p in model.placements.all()}
+    wanted_ids = {item["node"].pk for item in wanted}
+    removed = [p for node_pk, p in current.items() if node_pk not in wanted_ids]
+    if removed and model.desired_state == ModelDefinition.Desired.RUNNING:
+        raise ServiceError(
+            409,
+            "model_running",
+            f"Model '{model.served_name}' is running on {removed[0].node.node_id}; stop it "
+            "before removing that placement.",
+        )
+    for placement in removed:
+        placement.delete()
+    for item in wanted:
+        placement = current.get(item["node"].pk)
+        if placement is None:
+            Placement.objects.create(
+                model=model,
+                node=item["node"],
+                gpu_uuids=item["gpu_uuids"],
+                gpu_budgets=item["gpu_budgets"],
+            )
+        elif (placement.gpu_uuids, placement.gpu_budgets) != (
+            item["gpu_uuids"],
+            item["gpu_budgets"],
+        ):
+            placement.gpu_uuids = item["gpu_uuids"]
+            placement.gpu_budgets = item["gpu_budgets"]
+            placement.save(update_fields=["gpu_uuids", "gpu_budgets"])
+
+
+def _clean_budget(data: dict[str, Any]) -> dict[str, Any]:
+    if "memory_budget_bytes" not in data:
+        return {}
+    value = data["memory_budget_bytes"]
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise _invalid(
+            "memoryBudgetBytes", "must be a positive byte count, or null for the estimate"
+        )
+    return {"memory_budget_bytes": value}
+
+
 @transaction.atomic
 def create_model(data: dict[str, Any]) -> ModelDefinition:
-    """Create a definition and, when ``node`` is given, its placement."""
-    cleaned = validate_definition(data)
-    node = _resolve_node(data["node"]) if data.get("node") is not None else None
+    """Create a definition and, when ``node`` or ``placements`` is given, its placements."""
+    cleaned = validate_definition(data) | _clean_budget(data)
+    placements = _clean_placements(data)
     model = ModelDefinition.objects.create(**cleaned)
-    if node is not None:
-        Placement.objects.create(model=model, node=node)
+    if placements:
+        _apply_placements(model, placements)
     log.info("Created model %s (%s)", model.served_name, model.pk)
     return model
 
 
 @transaction.atomic
 def update_model(model: ModelDefinition, data: dict[str, Any]) -> ModelDefinition:
-    cleaned = validate_definition(data, instance=model)
+    """Change a definition; a running instance shows "restart pending" until restarted."""
+    cleaned = validate_definition(data, instance=model) | _clean_budget(data)
+    placements = _clean_placements(data)
     for key, value in cleaned.items():
         setattr(model, key, value)
     model.save()
-    if "node" in data:
-        model.placements.all().delete()
-        if data["node"] is not None:
-            Placement.objects.create(model=model, node=_resolve_node(data["node"]))
+    if placements is not None:
+        _apply_placements(model, placements)
     return model
 
 
@@ -132,105 +240,6 @@ def get_model(model_id: int) -> ModelDefinition:
     if model is None:
         raise ServiceError(404, "not_found", f"Model {model_id} does not exist.")
     return model
-
-
-def launch_spec(model: ModelDefinition, placement: Placement) -> dict[str, Any]:
-    """The agent's launch request: the canonical argv built here, nowhere else."""
-    settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
-    argv = llamacpp.build_argv(settings=settings, served_name=model.served_name)
-    return {
-        "instanceId": placement.instance_id,
-        "modelId": model.pk,
-        "servedName": model.served_name,
-        "runtime": model.runtime,
-        "delivery": model.delivery,
-        "executable": {"name": "llama.cpp", "version": model.executable_version or None},
-        "model": {"folder": model.source_folder, "file": model.source_file},
-        "args": argv,
-        "env": {},
-    }
-
-
-def _placements(model: ModelDefinition) -> list[Placement]:
-    placements = list(model.placements.select_related("node"))
-    if not placements:
-        raise ServiceError(
-            409, "model_unplaced", f"Model '{model.served_name}' has no placement; place it first."
-        )
-    return placements
-
-
-def _check_node_for_start(node: Node) -> None:
-    if node.revoked:
-        raise ServiceError(409, "node_revoked", f"Node '{node.node_id}' is revoked.")
-    if not node.approved:
-        raise ServiceError(409, "invalid_state", f"Node '{node.node_id}' is not approved yet.")
-    if node.draining:
-        raise ServiceError(
-            409, "node_draining", f"Node '{node.node_id}' is draining; no new starts."
-        )
-    status = status_cache.read(node.node_id)
-    state = status.get("state") if status else "Offline"
-    if state not in SERVING:
-        raise ServiceError(
-            503,
-            "node_not_serving",
-            f"Node {node.node_id} is not serving (state: {state}); the model cannot start now.",
-        )
-
-
-def _agent_error(node: Node, exc: Exception) -> ServiceError:
-    if isinstance(exc, AgentUnreachable):
-        return ServiceError(503, "node_unreachable", f"Node {node.node_id}: {exc}")
-    assert isinstance(exc, AgentRefused)
-    if exc.code in ("stale_master", "competing_master"):
-        # Another master drives this node: it is not serving us (PendingTakeover).
-        return ServiceError(
-            503,
-            exc.code,
-            f"Node {node.node_id} refused this master ({exc.code}): {exc.message}. "
-            "If this master should own the node, run a takeover.",
-        )
-    status = exc.status if exc.status in (400, 404, 409, 422, 501, 503, 504) else 502
-    return ServiceError(status, exc.code, f"Node {node.node_id}: {exc.message}")
-
-
-def start_model(model_id: int) -> dict[str, Any]:
-    """Ask each placement's agent to launch the model; answers the agents' instances."""
-    model = get_model(model_id)
-    placements = _placements(model)
-    for placement in placements:
-        _check_node_for_start(placement.node)
-    instances = []
-    for placement in placements:
-        spec = launch_spec(model, placement)
-        try:
-            with AgentClient(node=placement.node) as client:
-                instances.append(client.launch(spec))
-        except (AgentUnreachable, AgentRefused) as exc:
-            raise _agent_error(placement.node, exc) from exc
-    ModelDefinition.objects.filter(pk=model.pk).update(desired_state="running")
-    log.info("Start of model %s sent to %d node(s)", model.served_name, len(placements))
-    return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
-
-
-def stop_model(model_id: int) -> dict[str, Any]:
-    """Stop every replica; a node that cannot be reached is a 503, nothing is assumed."""
-    model = get_model(model_id)
-    placements = _placements(model)
-    instances = []
-    for placement in placements:
-        try:
-            with AgentClient(node=placement.node) as client:
-                instances.append(client.stop(placement.instance_id))
-        except AgentRefused as exc:
-            if exc.code == "not_found":
-                continue  # never launched there: already stopped
-            raise _agent_error(placement.node, exc) from exc
-        except AgentUnreachable as exc:
-            raise _agent_error(placement.node, exc) from exc
-    ModelDefinition.objects.filter(pk=model.pk).update(desired_state="stopped")
-    return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
 
 
 def model_state(

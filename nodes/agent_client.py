@@ -32,6 +32,10 @@ class AgentUnreachable(AgentError):
     """The agent could not be reached, or failed the identity check."""
 
 
+class AgentTimeout(AgentUnreachable):
+    """The request was sent but no answer came in time: its outcome is unknown."""
+
+
 class AgentRefused(AgentError):
     """The agent answered with an error document."""
 
@@ -103,6 +107,12 @@ class AgentClient:
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
             response = self._client.request(method, path, **kwargs)
+        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+            # Sent, maybe acted on: the caller must not assume either outcome.
+            raise AgentTimeout(
+                f"node {self.node.node_id}: no answer to {method} {path} in time; "
+                "the outcome is unknown"
+            ) from exc
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
         return _check(response)
@@ -134,6 +144,26 @@ class AgentClient:
 
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]
+
+    # Downloads and weights. The token rides in the body of the POST only.
+
+    def start_download(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/downloads", json=body, headers=self._fenced())
+
+    def downloads(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/downloads")["downloads"]
+
+    def download(self, folder: str) -> dict[str, Any]:
+        return self._request("GET", f"/downloads/{folder}")
+
+    def cancel_download(self, folder: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/downloads/{folder}", headers=self._fenced())
+
+    def model_folders(self) -> dict[str, Any]:
+        return self._request("GET", "/model-folders")
+
+    def reclaim(self, folder: str) -> dict[str, Any]:
+        return self._request("DELETE", f"/model-folders/{folder}", headers=self._fenced())
 
 
 class AsyncAgentClient:

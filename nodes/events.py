@@ -41,6 +41,8 @@ class ModelSummary(TypedDict):
     state: str
     nodeId: str | None
     error: str | None
+    restartCount: int
+    measuredBytes: int | None
 
 
 class NodeUpdated(TypedDict):
@@ -53,7 +55,15 @@ class ModelUpdated(TypedDict):
     model: ModelSummary
 
 
-Event = NodeUpdated | ModelUpdated
+class DownloadUpdated(TypedDict):
+    """A download's progress on a node: bytes done, total when known, rate."""
+
+    type: Literal["download.updated"]
+    nodeId: str
+    download: dict[str, Any]
+
+
+Event = NodeUpdated | ModelUpdated | DownloadUpdated
 
 
 async def publish(groups: list[str], event: Event) -> None:

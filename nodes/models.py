@@ -13,6 +13,9 @@ node_id_validator = RegexValidator(
 )
 
 
+DEFAULT_GPU_RESERVE_BYTES = 1024**3
+
+
 class Node(models.Model):
     """One machine running an agent.
 
@@ -42,6 +45,11 @@ class Node(models.Model):
     facts = models.JSONField(
         default=dict, blank=True, help_text="The agent's self-description from /info"
     )
+    # Admission keeps this much memory free for everything that is not a model:
+    # host RAM on CPU and unified-memory nodes, and per GPU (by UUID) on discrete
+    # GPUs. A GPU absent from ``gpu_reserves`` gets DEFAULT_GPU_RESERVE_BYTES.
+    memory_reserve_bytes = models.BigIntegerField(default=2 * 1024**3)
+    gpu_reserves = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -58,6 +66,11 @@ class Node(models.Model):
     @property
     def enrolled(self) -> bool:
         return bool(self.spki_pin or self.pending_pin)
+
+    def gpu_reserve(self, uuid: str) -> int:
+        """The reserve admission keeps free on one GPU of this node."""
+        value = (self.gpu_reserves or {}).get(uuid)
+        return int(value) if isinstance(value, int) else DEFAULT_GPU_RESERVE_BYTES
 
 
 class JoinToken(models.Model):

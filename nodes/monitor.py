@@ -71,6 +71,8 @@ class NodeWorker:
             "telemetry": {},
         }
         self.backoff = BACKOFF_START
+        self.autostarted_boot: str | None = None
+        self.autostart_task: asyncio.Task[None] | None = None
 
     # -- state -------------------------------------------------------------------------
 
@@ -145,9 +147,50 @@ class NodeWorker:
                 state=str(instance.get("state")) if serving else "Offline",
                 nodeId=self.node.node_id,
                 error=instance.get("error"),
+                restartCount=int(instance.get("restartCount") or 0),
+                measuredBytes=(instance.get("measured") or {}).get("bytes"),
             ),
         )
         await events.publish([events.FLEET_GROUP, events.model_group(model_id)], event)
+
+    async def publish_download(self, download: dict[str, Any]) -> None:
+        event = events.DownloadUpdated(
+            type="download.updated", nodeId=self.node.node_id, download=download
+        )
+        await events.publish([events.FLEET_GROUP, events.node_group(self.node.node_id)], event)
+
+    async def record_measurement(self, instance: dict[str, Any]) -> None:
+        """Keep the instance's measured memory beside its budget (one row per start)."""
+        from models_registry import lifecycle
+
+        try:
+            await sync_to_async(lifecycle.record_measurement)(self.node.node_id, instance)
+        except Exception:  # a bookkeeping failure must not drop the node's connection
+            log.exception("Node %s: recording a memory measurement failed", self.node.node_id)
+
+    async def autostart(self) -> None:
+        """Start the auto-start models this agent lost; one at a time on this node.
+
+        Run as its own task after a connect that saw a new boot id, so the event
+        stream keeps being read while the starts (each waits on the agent) go on.
+        """
+        from models_registry import lifecycle
+
+        try:
+            outcomes = await sync_to_async(lifecycle.autostart_node, thread_sensitive=False)(
+                self.node.node_id
+            )
+        except Exception:
+            log.exception("Node %s: auto-start failed", self.node.node_id)
+            return
+        for outcome in outcomes:
+            if not outcome["started"]:
+                log.warning(
+                    "Node %s: auto-start left %s stopped: %s",
+                    self.node.node_id,
+                    outcome["model"],
+                    outcome["reason"],
+                )
 
     def pending_takeover(self) -> bool:
         """The agent accepted a master this one cannot overrule (seed 000 section 8)."""
@@ -198,6 +241,16 @@ class NodeWorker:
         await self.recompute()
         await self.publish_node()
         await self.publish_models()
+        self.maybe_autostart()
+
+    def maybe_autostart(self) -> None:
+        """One auto-start pass per agent boot id (a reboot or an agent restart)."""
+        boot = self.status.get("bootId")
+        if not boot or boot == self.autostarted_boot or self.pending_takeover():
+            return
+        self.autostarted_boot = boot
+        if self.autostart_task is None or self.autostart_task.done():
+            self.autostart_task = asyncio.create_task(self.autostart())
 
     @sync_to_async
     def save_info(self, info: dict[str, Any], protocol: int | None) -> None:
@@ -231,13 +284,26 @@ class NodeWorker:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
             await status_cache.awrite(self.status)
             await self.publish_instance(data)
+            if data.get("measured"):
+                await self.record_measurement(data)
         elif name == "heartbeat":
             # Memory and disk are refreshed with every heartbeat, not only at connect.
             telemetry = self.status.setdefault("telemetry", {})
-            for key in ("memory", "disks"):
+            for key in ("memory", "disks", "gpus", "weights"):
                 if key in data:
                     telemetry[key] = data[key]
+            if "downloads" in data:
+                self.status["downloads"] = {  # type: ignore[typeddict-unknown-key]
+                    d["folder"]: d
+                    for d in data["downloads"]
+                    if isinstance(d, dict) and "folder" in d
+                }
             await status_cache.awrite(self.status)
+        elif name == "download" and "folder" in data:
+            downloads = self.status.setdefault("downloads", {})  # type: ignore[typeddict-item]
+            downloads[data["folder"]] = data
+            await status_cache.awrite(self.status)
+            await self.publish_download(data)
         elif name == "fencing":
             self.agent_fencing = data.get("accepted")
             self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
@@ -251,6 +317,7 @@ class NodeWorker:
             self.status["bootId"] = str(data.get("bootId"))
             await self.recompute()
             await self.publish_models()
+            self.maybe_autostart()
 
     async def follow_events(self) -> None:
         async for name, data in self.client.events(read_timeout=OFFLINE_AFTER_SECONDS):
@@ -293,6 +360,10 @@ class NodeWorker:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
+            if self.autostart_task is not None:
+                self.autostart_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self.autostart_task
             await self.client.aclose()
 
     async def _lost(self, error: str) -> None:

@@ -443,6 +443,54 @@ def rekey_node(node_id: str, *, lifetime_minutes: object = None) -> dict[str, ob
     return _issue_token(node_id, JoinToken.Purpose.REKEY, lifetime_minutes)
 
 
+def set_reserves(
+    node_id: str, *, memory_reserve: object, gpu_reserves: object, unknown: list[str]
+) -> Node:
+    """Set the memory admission keeps free on a node: host RAM and per GPU UUID."""
+    if unknown:
+        raise ServiceError(
+            400,
+            "invalid_request",
+            f"{unknown[0]}: unknown field; known fields are gpuReserves, memoryReserveBytes",
+        )
+    node = _node_or_404(node_id)
+
+    def nonnegative(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**50
+
+    fields = []
+    if memory_reserve is not None:
+        if not nonnegative(memory_reserve):
+            raise ServiceError(
+                400, "invalid_request", "memoryReserveBytes: must be a byte count of 0 or more"
+            )
+        node.memory_reserve_bytes = memory_reserve  # type: ignore[assignment]
+        fields.append("memory_reserve_bytes")
+    if gpu_reserves is not None:
+        known = {g.get("uuid") for g in (node.facts or {}).get("gpus") or [] if isinstance(g, dict)}
+        if not isinstance(gpu_reserves, dict):
+            raise ServiceError(
+                400, "invalid_request", "gpuReserves: must map GPU UUIDs to byte counts"
+            )
+        for uuid, value in gpu_reserves.items():
+            if uuid not in known:
+                have = ", ".join(sorted(k for k in known if k)) or "none"
+                raise ServiceError(
+                    400,
+                    "invalid_request",
+                    f"gpuReserves: node '{node_id}' has no GPU {uuid} (it reported: {have})",
+                )
+            if not nonnegative(value):
+                raise ServiceError(
+                    400, "invalid_request", f"gpuReserves.{uuid}: must be a byte count of 0 or more"
+                )
+        node.gpu_reserves = {**(node.gpu_reserves or {}), **gpu_reserves}
+        fields.append("gpu_reserves")
+    if fields:
+        node.save(update_fields=[*fields, "updated_at"])
+    return node
+
+
 def node_from_param(value: str | None, *, action: str) -> Node:
     """The ``?node=`` rules of seed 002 section 6, for routes that act on one node."""
 

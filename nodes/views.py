@@ -8,6 +8,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from mirbad_site.errors import ServiceError
+from models_registry import lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
 from nodes import services, status_cache
@@ -51,24 +52,76 @@ def overview(request: HttpRequest) -> HttpResponse:
                 "mem_total_gib": _gib(memory.get("totalBytes")),
             }
         )
-    model_rows = []
-    for model in models:
-        state = model_services.model_state(model, statuses)
-        model_rows.append(
-            {
-                "id": model.pk,
-                "served_name": model.served_name,
-                "state": state["state"],
-                "node_id": state["nodeId"] or "-",
-                "error": state["error"] or "",
-            }
-        )
+    model_rows = [_model_row(model, statuses) for model in models]
+    download_rows = [
+        {"node_id": node_id, **download_row(d)}
+        for node_id, status in sorted(statuses.items())
+        for d in ((status or {}).get("downloads") or {}).values()
+    ]
     blocked = any(row["state"] == "PendingTakeover" for row in node_rows)
     return render(
         request,
         "console/overview.html",
-        {"nodes": node_rows, "models": model_rows, "takeover_needed": blocked},
+        {
+            "nodes": node_rows,
+            "models": model_rows,
+            "downloads": download_rows,
+            "takeover_needed": blocked,
+        },
     )
+
+
+def _model_row(model: ModelDefinition, statuses: dict) -> dict[str, object]:
+    """One model line: state, budget beside what it really uses, restarts, notes."""
+    state = model_services.model_state(model, statuses)
+    budget = model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes")
+    measured = None
+    restarts = 0
+    notes = []
+    for placement in model.placements.all():
+        status = statuses.get(placement.node.node_id) or {}
+        inst = (status.get("instances") or {}).get(placement.instance_id)
+        if not inst:
+            continue
+        restarts += int(inst.get("restartCount") or 0)
+        value = (inst.get("measured") or {}).get("bytes")
+        if isinstance(value, int):
+            measured = (measured or 0) + value
+            flag = lifecycle.over_budget_text(budget, value)
+            if flag:
+                notes.append(f"{placement.node.node_id}: {flag}")
+        if lifecycle.restart_pending(model, placement, inst):
+            notes.append(f"{placement.node.node_id}: restart pending")
+    if model.auto_start_note:
+        notes.append(model.auto_start_note)
+    return {
+        "id": model.pk,
+        "served_name": model.served_name,
+        "state": state["state"],
+        "node_id": state["nodeId"] or "-",
+        "error": state["error"] or "",
+        "budget_gib": _gib(budget),
+        "measured_gib": _gib(measured),
+        "restarts": restarts,
+        "notes": "; ".join(notes),
+    }
+
+
+def download_row(download: dict) -> dict[str, object]:
+    """Progress as the console shows it: no percentage without a known total."""
+    done, total = download.get("bytesDone") or 0, download.get("bytesTotal")
+    rate = download.get("rateBytesPerSecond")
+    if isinstance(total, int) and total > 0:
+        progress = f"{done / 2**30:.2f} / {total / 2**30:.2f} GiB ({100 * done / total:.0f} %)"
+    else:
+        progress = f"{done / 2**30:.2f} GiB so far"
+    return {
+        "folder": download.get("folder"),
+        "state": download.get("state"),
+        "progress": progress,
+        "rate": f"{rate / 2**20:.1f} MiB/s" if isinstance(rate, int | float) else "",
+        "error": download.get("error") or "",
+    }
 
 
 @operator_required

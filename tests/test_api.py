@@ -14,6 +14,14 @@ pytestmark = pytest.mark.django_db
 ENDPOINTS = [
     ("get", "/api/nodes"),
     ("get", "/api/nodes/n1"),
+    ("patch", "/api/nodes/n1"),
+    ("post", "/api/nodes/n1/approve"),
+    ("post", "/api/nodes/n1/revoke"),
+    ("post", "/api/nodes/n1/drain"),
+    ("post", "/api/nodes/n1/undrain"),
+    ("post", "/api/nodes/n1/rekey"),
+    ("post", "/api/join-tokens"),
+    ("post", "/api/takeover"),
     ("get", "/api/models"),
     ("post", "/api/models"),
     ("get", "/api/models/1"),
@@ -21,10 +29,39 @@ ENDPOINTS = [
     ("delete", "/api/models/1"),
     ("post", "/api/models/1/start"),
     ("post", "/api/models/1/stop"),
+    ("post", "/api/models/1/restart"),
+    ("get", "/api/models/1/estimate"),
+    ("get", "/api/models/1/placement-suggestions"),
+    ("get", "/api/estimate-accuracy"),
+    ("get", "/api/model-folders"),
+    ("get", "/api/model-folders/f/gguf"),
+    ("get", "/api/downloads"),
+    ("post", "/api/downloads"),
+    ("get", "/api/downloads/inspect"),
+    ("get", "/api/downloads/f"),
+    ("delete", "/api/downloads/f"),
+    ("get", "/api/reclaim"),
+    ("post", "/api/reclaim"),
     ("get", "/api/keys"),
     ("post", "/api/keys"),
     ("delete", "/api/keys/1"),
 ]
+
+
+def test_every_api_route_is_in_the_permission_tests() -> None:
+    """A new /api route cannot be added without its 401/403 tests."""
+    from mirbad_site.urls import urlpatterns
+
+    covered = {path for _, path in ENDPOINTS}
+    samples = {"<str:node_id>": "n1", "<int:model_id>": "1", "<int:key_id>": "1",
+               "<str:folder>": "f"}  # fmt: skip
+    for pattern in urlpatterns:
+        route = str(pattern.pattern)
+        if not route.startswith("api/"):
+            continue
+        for placeholder, value in samples.items():
+            route = route.replace(placeholder, value)
+        assert "/" + route in covered, f"/{route} has no permission test in ENDPOINTS"
 
 
 @pytest.mark.parametrize(("method", "path"), ENDPOINTS)

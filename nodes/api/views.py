@@ -44,6 +44,13 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "os": node.os,
         "arch": node.arch,
         "memoryTotalBytes": node.memory_total_bytes,
+        "memoryReserveBytes": node.memory_reserve_bytes,
+        "gpuReserves": {
+            g["uuid"]: node.gpu_reserve(g["uuid"])
+            for g in (node.facts or {}).get("gpus") or []
+            if isinstance(g, dict) and isinstance(g.get("uuid"), str)
+        }
+        | dict(node.gpu_reserves or {}),
         "facts": node.facts,
         "certificateNotAfter": node.cert_not_after.isoformat() if node.cert_not_after else None,
         "telemetry": telemetry,
@@ -63,6 +70,19 @@ class NodeDetail(APIView):
         node = Node.objects.filter(node_id=node_id).first()
         if node is None:
             raise ServiceError(404, "not_found", f"Node '{node_id}' does not exist.")
+        return Response(node_json(node, status_cache.read(node_id)))
+
+    def patch(self, request: Request, node_id: str) -> Response:
+        """Change what admission keeps free: memoryReserveBytes and gpuReserves."""
+        body = request.data if isinstance(request.data, dict) else None
+        if body is None:
+            raise ServiceError(400, "invalid_request", "The body must be a JSON object.")
+        node = services.set_reserves(
+            node_id,
+            memory_reserve=body.get("memoryReserveBytes"),
+            gpu_reserves=body.get("gpuReserves"),
+            unknown=sorted(set(body) - {"memoryReserveBytes", "gpuReserves"}),
+        )
         return Response(node_json(node, status_cache.read(node_id)))
 
 

@@ -54,12 +54,43 @@
     tr.querySelector(".reasons").textContent = (node.reasons || []).join(", ");
   }
 
+  function gib(bytes) { return (bytes / 1073741824).toFixed(2) + " GiB"; }
+
   function onModel(model) {
-    const tr = row("models", "data-model", model.modelId, ["name", "state", "node", "error"]);
+    const tr = row("models", "data-model", model.modelId, [
+      "name", "state", "node", "budget", "measured", "restarts", "notes", "error",
+    ]);
     tr.children[0].textContent = model.servedName;
     badge(tr.querySelector(".state"), model.state);
     tr.querySelector(".node").textContent = model.nodeId || "-";
     tr.querySelector(".error").textContent = model.error || "";
+    if (typeof model.measuredBytes === "number") {
+      tr.querySelector(".measured").textContent = gib(model.measuredBytes);
+    }
+    if (typeof model.restartCount === "number") {
+      tr.querySelector(".restarts").textContent = String(model.restartCount);
+    }
+  }
+
+  // No percentage is shown when the total is unknown: a byte count that keeps rising
+  // says more than a percentage that cannot be right.
+  function onDownload(nodeId, d) {
+    const tr = row("downloads", "data-download", nodeId + "/" + d.folder, [
+      "node", "folder", "state", "progress", "rate", "error",
+    ]);
+    tr.querySelector(".node").textContent = nodeId;
+    tr.querySelector(".folder").textContent = d.folder;
+    badge(tr.querySelector(".state"), d.state);
+    const done = d.bytesDone || 0;
+    let text = (done / 1073741824).toFixed(2) + " GiB so far";
+    if (typeof d.bytesTotal === "number" && d.bytesTotal > 0) {
+      text = (done / 1073741824).toFixed(2) + " / " + (d.bytesTotal / 1073741824).toFixed(2) +
+        " GiB (" + Math.round(100 * done / d.bytesTotal) + " %)";
+    }
+    tr.querySelector(".progress").textContent = text;
+    tr.querySelector(".rate").textContent = typeof d.rateBytesPerSecond === "number"
+      ? (d.rateBytesPerSecond / 1048576).toFixed(1) + " MiB/s" : "";
+    tr.querySelector(".error").textContent = d.error || "";
   }
 
   let delay = 1000;
@@ -71,6 +102,7 @@
       const event = JSON.parse(msg.data);
       if (event.type === "node.updated") onNode(event.node);
       else if (event.type === "model.updated") onModel(event.model);
+      else if (event.type === "download.updated") onDownload(event.nodeId, event.download);
     };
     ws.onclose = function () {
       live.textContent = "reconnecting…";

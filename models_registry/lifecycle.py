@@ -1,0 +1,470 @@
+"""Starting, stopping and restarting models: the estimate, admission and auto-start.
+
+The answers follow seed 000 section 7 ("Admin API answers for model
+commands"): 404 unknown model; 409 for what the operator must resolve
+(unplaced, node revoked, not approved or draining, admission refused, weights
+missing); 503 when a node is not serving or cannot be reached; 504 when the
+agent was sent the command but did not answer in time, so the outcome is
+unknown; 422 when the agent refuses the spec.
+
+A start, per placement: the node must be serving, the agent reads the GGUF
+header (so the estimate uses the file that will really be loaded, every
+split part included), the master computes the estimate (seed 002 section
+7.4), admission checks the budget against the node's memory (see
+:mod:`models_registry.admission`), and only then is the launch sent. Every
+check of every placement runs before the first launch, so a refused replica
+does not leave the others half started.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+
+from mirbad_site.errors import ServiceError
+from models_registry import admission, llamacpp
+from models_registry.estimate import GIB, EstimateError
+from models_registry.models import MemorySample, ModelDefinition, Placement
+from models_registry.services import get_model
+from nodes import fencing, status_cache
+from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
+from nodes.models import Node
+from nodes.states import SERVING
+
+log = logging.getLogger("mirbad.models")
+
+ACTIVE = ("Starting", "Ready")
+
+
+# -- launch specs and fingerprints ------------------------------------------------------
+
+
+def _argv(model: ModelDefinition, placement: Placement) -> list[str]:
+    settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
+    return llamacpp.build_argv(
+        settings=settings,
+        served_name=model.served_name,
+        gpus=len(placement.gpu_uuids),
+        tensor_split=placement.gpu_budgets or None,
+    )
+
+
+def launch_spec(model: ModelDefinition, placement: Placement) -> dict[str, Any]:
+    """The agent's launch request: the canonical argv built here, nowhere else."""
+    spec: dict[str, Any] = {
+        "instanceId": placement.instance_id,
+        "modelId": model.pk,
+        "servedName": model.served_name,
+        "runtime": model.runtime,
+        "delivery": model.delivery,
+        "executable": {"name": "llama.cpp", "version": model.executable_version or None},
+        "model": {"folder": model.source_folder, "file": model.source_file},
+        "args": _argv(model, placement),
+        "env": {},
+    }
+    if placement.gpu_uuids:
+        spec["gpuUuids"] = list(placement.gpu_uuids)
+    return spec
+
+
+def restart_pending(model: ModelDefinition, placement: Placement, instance: dict | None) -> bool:
+    """True when what runs no longer matches the definition (seed 002 section 7.5).
+
+    The fingerprint is the canonical argv, the executable version and the
+    environment names; with no version pinned on the model, the version the
+    node resolved is the expected one.
+    """
+    if not instance or instance.get("state") not in ACTIVE or not instance.get("fingerprint"):
+        return False
+    running_version = str((instance.get("executable") or {}).get("version") or "")
+    expected = llamacpp.execution_fingerprint(
+        argv=_argv(model, placement),
+        executable_version=model.executable_version or running_version,
+        env_names=[],
+    )
+    return expected != instance["fingerprint"]
+
+
+# -- refusals ---------------------------------------------------------------------------
+
+
+def node_status(node: Node) -> dict[str, Any] | None:
+    return status_cache.read(node.node_id)  # type: ignore[return-value]
+
+
+def check_node_for_start(node: Node) -> dict[str, Any] | None:
+    """The node-level refusals; answers the node's cached status."""
+    if node.revoked:
+        raise ServiceError(409, "node_revoked", f"Node '{node.node_id}' is revoked.")
+    if not node.approved:
+        raise ServiceError(409, "invalid_state", f"Node '{node.node_id}' is not approved yet.")
+    if node.draining:
+        raise ServiceError(
+            409, "node_draining", f"Node '{node.node_id}' is draining; no new starts."
+        )
+    status = node_status(node)
+    state = status.get("state") if status else "Offline"
+    if state not in SERVING:
+        raise ServiceError(
+            503,
+            "node_not_serving",
+            f"Node {node.node_id} is not serving (state: {state}); the model cannot start now.",
+        )
+    return status
+
+
+def agent_error(node: Node, exc: Exception) -> ServiceError:
+    """The admin API's answer for an agent client error."""
+    if isinstance(exc, AgentTimeout):
+        return ServiceError(504, "outcome_unknown", f"{exc}. Look at the node before retrying.")
+    if isinstance(exc, AgentUnreachable):
+        return ServiceError(503, "node_unreachable", f"Node {node.node_id}: {exc}")
+    assert isinstance(exc, AgentRefused)
+    if exc.code in ("stale_master", "competing_master"):
+        # Another master drives this node: it is not serving us (PendingTakeover).
+        return ServiceError(
+            503,
+            exc.code,
+            f"Node {node.node_id} refused this master ({exc.code}): {exc.message}. "
+            "If this master should own the node, run a takeover.",
+        )
+    status = exc.status if exc.status in (400, 404, 409, 422, 501, 503, 504) else 502
+    return ServiceError(status, exc.code, f"Node {node.node_id}: {exc.message}")
+
+
+def _placements(model: ModelDefinition, node_id: str | None = None) -> list[Placement]:
+    placements = list(model.placements.select_related("node"))
+    if not placements:
+        raise ServiceError(
+            409, "model_unplaced", f"Model '{model.served_name}' has no placement; place it first."
+        )
+    if node_id is not None:
+        placements = [p for p in placements if p.node.node_id == node_id]
+        if not placements:
+            raise ServiceError(
+                404, "not_found", f"Model '{model.served_name}' has no placement on '{node_id}'."
+            )
+    return placements
+
+
+# -- the estimate -----------------------------------------------------------------------
+
+
+def read_header(model: ModelDefinition, node: Node) -> dict[str, Any]:
+    """The GGUF header summary of the model's file, read by the agent of ``node``."""
+    try:
+        with AgentClient(node=node) as client:
+            return client.gguf(model.source_folder, model.source_file)
+    except AgentRefused as exc:
+        if exc.status == 404:
+            raise ServiceError(
+                409,
+                "weights_missing",
+                f"Node {node.node_id} does not hold {model.source_folder}/{model.source_file}: "
+                f"{exc.message}. Download it there first (POST /api/downloads?node={node.node_id}).",
+            ) from exc
+        if exc.code == "gguf_invalid":
+            raise ServiceError(422, "gguf_invalid", f"Node {node.node_id}: {exc.message}") from exc
+        raise agent_error(node, exc) from exc
+    except AgentUnreachable as exc:
+        raise agent_error(node, exc) from exc
+
+
+def estimate_for(
+    model: ModelDefinition, placement: Placement, header: dict[str, Any]
+) -> dict[str, Any]:
+    """The estimate's breakdown and the budget admission will use (manual budget first)."""
+    settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
+    try:
+        result = admission.compute_estimate(header, settings, gpus=len(placement.gpu_uuids))
+    except EstimateError as exc:
+        raise ServiceError(
+            422, "estimate_failed", f"The estimate of '{model.served_name}' failed: {exc}"
+        ) from exc
+    budget = model.memory_budget_bytes or result.budget
+    return {
+        "breakdown": result.to_json(),
+        "budgetBytes": budget,
+        "budgetSource": "manual" if model.memory_budget_bytes else "estimate",
+        "gpus": len(placement.gpu_uuids),
+        "architecture": header.get("architecture"),
+        "fileType": header.get("fileType"),
+        "file": f"{model.source_folder}/{model.source_file}",
+        "parts": header.get("parts"),
+        "computedAt": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _budget_of(model_id: Any) -> int:
+    model = ModelDefinition.objects.filter(pk=model_id).first()
+    if model is None:
+        return 0
+    return int(model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes") or 0)
+
+
+def starting_budgets(status: dict[str, Any] | None, *, skip: str) -> dict[str | None, int]:
+    """Budgets of the node's instances still Starting (not allocated yet), by GPU or host."""
+    out: dict[str | None, int] = {}
+    for inst in ((status or {}).get("instances") or {}).values():
+        if inst.get("state") != "Starting" or inst.get("instanceId") == skip:
+            continue
+        budget = _budget_of(inst.get("modelId"))
+        uuids = inst.get("gpuUuids") or [None]
+        for uuid in uuids:
+            out[uuid] = out.get(uuid, 0) + budget // len(uuids)
+    return out
+
+
+def admission_lines(
+    model: ModelDefinition, placement: Placement, estimate: dict[str, Any], status: dict | None
+) -> list[admission.Line]:
+    return admission.check(
+        node=placement.node,
+        gpu_uuids=list(placement.gpu_uuids),
+        gpu_budgets=list(placement.gpu_budgets),
+        budget=int(estimate["budgetBytes"]),
+        status=status,
+        starting_budgets=starting_budgets(status, skip=placement.instance_id),
+    )
+
+
+def model_estimate(model_id: int, *, node_id: str | None = None) -> dict[str, Any]:
+    """GET /api/models/{id}/estimate: the breakdown and one admission line per GPU."""
+    model = get_model(model_id)
+    placements = _placements(model, node_id)
+    answers = []
+    for placement in placements:
+        status = node_status(placement.node)
+        header = read_header(model, placement.node)
+        estimate = estimate_for(model, placement, header)
+        lines = admission_lines(model, placement, estimate, status)
+        answers.append(
+            {
+                "node": placement.node.node_id,
+                "instanceId": placement.instance_id,
+                **estimate,
+                "lines": [line.to_json() for line in lines],
+                "fits": all(line.fits for line in lines),
+            }
+        )
+        _remember_estimate(model, estimate)
+    return {"modelId": model.pk, "servedName": model.served_name, "placements": answers}
+
+
+def _remember_estimate(model: ModelDefinition, estimate: dict[str, Any]) -> None:
+    ModelDefinition.objects.filter(pk=model.pk).update(estimate=estimate)
+    model.estimate = estimate
+
+
+# -- start, stop, restart ---------------------------------------------------------------
+
+
+def _require_fencing() -> None:
+    """Refuse before any node is contacted when this master cannot fence its commands."""
+    try:
+        fencing.request_headers(settings.MIRBAD.data_path)
+    except fencing.FencingError as exc:
+        raise ServiceError(503, "monitor_not_started", str(exc)) from None
+
+
+def _prepare(model: ModelDefinition, placement: Placement, *, force: bool) -> dict[str, Any]:
+    """Every check of one placement's start; answers its launch spec."""
+    status = check_node_for_start(placement.node)
+    _require_fencing()
+    current = ((status or {}).get("instances") or {}).get(placement.instance_id)
+    header = read_header(model, placement.node)
+    estimate = estimate_for(model, placement, header)
+    _remember_estimate(model, estimate)
+    if current and current.get("state") in ACTIVE:
+        # Already running: the agent answers it as it is (a launch is idempotent),
+        # and its memory is in use already, so admission would count it twice.
+        return launch_spec(model, placement)
+    lines = admission_lines(model, placement, estimate, status)
+    if force:
+        if not all(line.fits for line in lines):
+            log.warning(
+                "Starting %s on %s with force despite: %s",
+                model.served_name,
+                placement.node.node_id,
+                "; ".join(line.text() for line in lines if not line.fits),
+            )
+    else:
+        admission.refuse_unless_fits(model.served_name, placement.node, lines)
+    return launch_spec(model, placement)
+
+
+def _launch(placement: Placement, spec: dict[str, Any]) -> dict[str, Any]:
+    try:
+        with AgentClient(node=placement.node) as client:
+            return client.launch(spec)
+    except (AgentUnreachable, AgentRefused) as exc:
+        raise agent_error(placement.node, exc) from exc
+
+
+def start_model(
+    model_id: int, *, force: bool = False, node_id: str | None = None
+) -> dict[str, Any]:
+    """Start every placement (or the one on ``node_id``) after admission; answers instances."""
+    model = get_model(model_id)
+    placements = _placements(model, node_id)
+    specs = [(p, _prepare(model, p, force=force)) for p in placements]
+    instances = [_launch(p, spec) for p, spec in specs]
+    ModelDefinition.objects.filter(pk=model.pk).update(desired_state="running", auto_start_note="")
+    log.info("Start of model %s sent to %d node(s)", model.served_name, len(placements))
+    return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
+
+
+def _stop(placement: Placement) -> dict[str, Any] | None:
+    try:
+        with AgentClient(node=placement.node) as client:
+            return client.stop(placement.instance_id)
+    except AgentRefused as exc:
+        if exc.code == "not_found":
+            return None  # never launched there: already stopped
+        raise agent_error(placement.node, exc) from exc
+    except AgentUnreachable as exc:
+        raise agent_error(placement.node, exc) from exc
+
+
+def stop_model(model_id: int, *, node_id: str | None = None) -> dict[str, Any]:
+    """Stop every replica; a node that cannot be reached is a 503, nothing is assumed."""
+    model = get_model(model_id)
+    placements = _placements(model, node_id)
+    instances = [i for i in (_stop(p) for p in placements) if i is not None]
+    if node_id is None:
+        ModelDefinition.objects.filter(pk=model.pk).update(desired_state="stopped")
+    return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
+
+
+def restart_model(
+    model_id: int, *, force: bool = False, node_id: str | None = None
+) -> dict[str, Any]:
+    """Stop then start with the current definition (what clears "restart pending").
+
+    The checks that do not depend on the engine's own memory run before the stop,
+    so a restart on a node that is draining or offline leaves the model running.
+    """
+    model = get_model(model_id)
+    placements = _placements(model, node_id)
+    for placement in placements:
+        check_node_for_start(placement.node)
+    _require_fencing()
+    for placement in placements:
+        _stop(placement)
+    instances = []
+    for placement in placements:
+        instances.append(_launch(placement, _prepare(model, placement, force=force)))
+    ModelDefinition.objects.filter(pk=model.pk).update(desired_state="running", auto_start_note="")
+    return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
+
+
+# -- auto-start -------------------------------------------------------------------------
+
+
+def autostart_node(node_id: str) -> list[dict[str, Any]]:
+    """Start again the auto-start models this node lost (reboot, agent restart).
+
+    Called by the monitor when it connects to an agent with a new boot id, so a
+    node's models start one after another while nodes proceed in parallel. A
+    placement is started when its model is auto-start, was running, and the
+    agent reports its instance absent or Stopped (a Failed one stays Failed: a
+    crash loop is not healed by retrying it). A model that does not fit is left
+    stopped, and why is written on the model.
+    """
+    node = Node.objects.filter(node_id=node_id, revoked=False, approved=True).first()
+    if node is None or node.draining:
+        return []
+    status = node_status(node) or {}
+    instances = status.get("instances") or {}
+    outcomes = []
+    placements = Placement.objects.select_related("model", "node").filter(
+        node=node, model__auto_start=True, model__desired_state="running"
+    )
+    for placement in placements.order_by("model__served_name"):
+        inst = instances.get(placement.instance_id)
+        if inst is not None and inst.get("state") != "Stopped":
+            continue
+        model = placement.model
+        try:
+            spec = _prepare(model, placement, force=False)
+            _launch(placement, spec)
+        except ServiceError as exc:
+            note = f"Auto-start on {node_id} left it stopped: {exc.message}"
+            ModelDefinition.objects.filter(pk=model.pk).update(auto_start_note=note[:500])
+            log.warning("%s (%s)", note, model.served_name)
+            outcomes.append({"model": model.served_name, "started": False, "reason": exc.message})
+            continue
+        ModelDefinition.objects.filter(pk=model.pk).update(auto_start_note="")
+        log.info("Auto-started %s on %s", model.served_name, node_id)
+        outcomes.append({"model": model.served_name, "started": True, "reason": None})
+    return outcomes
+
+
+# -- measured memory --------------------------------------------------------------------
+
+
+def over_budget_text(budget: int | None, measured: int | None) -> str | None:
+    """ "uses X GiB more than its budget" when the measurement exceeds the budget."""
+    if not budget or not measured or measured <= budget:
+        return None
+    return f"uses {(measured - budget) / GIB:.1f} GiB more than its budget"
+
+
+def record_measurement(node_id: str, instance: dict[str, Any]) -> MemorySample | None:
+    """Keep one (budget, measured) pair per start of an instance, once it is measured."""
+    measured = instance.get("measured") or {}
+    ready_at = instance.get("readyAt")
+    if not isinstance(measured.get("bytes"), int) or not ready_at:
+        return None
+    model = ModelDefinition.objects.filter(pk=instance.get("modelId")).first()
+    if model is None:
+        return None
+    estimate = model.estimate or {}
+    budget = model.memory_budget_bytes or estimate.get("budgetBytes")
+    if not budget:
+        return None
+    try:
+        with transaction.atomic():
+            sample, _ = MemorySample.objects.get_or_create(
+                instance_id=str(instance.get("instanceId")),
+                ready_at=str(ready_at),
+                defaults={
+                    "model": model,
+                    "served_name": model.served_name,
+                    "node_id": node_id,
+                    "architecture": str(estimate.get("architecture") or "")[:60],
+                    "file_type": str(estimate.get("fileType") or "")[:20],
+                    "budget_bytes": int(budget),
+                    "measured_bytes": int(measured["bytes"]),
+                    "kind": str(measured.get("kind") or "")[:16],
+                },
+            )
+    except IntegrityError:  # two monitors raced on the same start
+        return None
+    return sample
+
+
+def estimate_accuracy() -> list[dict[str, Any]]:
+    """The estimate's error per architecture, quantisation and measurement kind."""
+    groups: dict[tuple[str, str, str], list[MemorySample]] = {}
+    for sample in MemorySample.objects.all()[:10_000]:
+        key = (sample.architecture, sample.file_type, sample.kind)
+        groups.setdefault(key, []).append(sample)
+    out = []
+    for (arch, file_type, kind), samples in sorted(groups.items()):
+        ratios = [s.measured_bytes / s.budget_bytes for s in samples if s.budget_bytes]
+        out.append(
+            {
+                "architecture": arch,
+                "fileType": file_type,
+                "kind": kind,
+                "samples": len(samples),
+                "meanMeasuredOverBudget": round(sum(ratios) / len(ratios), 3) if ratios else None,
+                "maxMeasuredOverBudget": round(max(ratios), 3) if ratios else None,
+            }
+        )
+    return out

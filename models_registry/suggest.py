@@ -1,0 +1,171 @@
+"""Placement suggestions: where a model would best run, and why the others would not.
+
+Ranked, best first, on what an operator weighs (seed 002 section 7.4, seed
+001 "engine presence in placement" and "disk checks"): the budget fits the
+node's free memory now (on a GPU node, the single GPU with the most room);
+the node has the engine installed (a node that reports no executables at all
+is not excluded, only ranked lower: older agents report none); it already
+holds the weights (no download, no disk needed); otherwise its models disk
+has room for them; and it runs the fewest instances. Nothing here changes
+the placement: the operator picks, the API call stays explicit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mirbad_site.errors import ServiceError
+from models_registry import admission, lifecycle
+from models_registry.models import ModelDefinition
+from models_registry.services import get_model
+from nodes import status_cache
+from nodes.models import Node
+from nodes.states import SERVING
+
+
+def _holds(status: dict[str, Any], folder: str) -> bool:
+    weights = (status.get("telemetry") or {}).get("weights") or []
+    return any(isinstance(w, dict) and w.get("folder") == folder for w in weights)
+
+
+def _engine(node: Node) -> bool | None:
+    executables = (node.facts or {}).get("executables")
+    if not executables:
+        return None  # unknown: an agent that does not report its engines
+    return any(e.get("name") == "llama.cpp" and e.get("verified", True) for e in executables)
+
+
+def _models_disk_free(status: dict[str, Any]) -> int | None:
+    disks = (status.get("telemetry") or {}).get("disks") or []
+    if disks and isinstance(disks[0], dict) and isinstance(disks[0].get("freeBytes"), int):
+        return disks[0]["freeBytes"]  # the agent lists the models root first
+    return None
+
+
+def _budget_and_size(model: ModelDefinition, holders: list[Node]) -> tuple[int | None, int | None]:
+    """The budget (from a node holding the file, else the last estimate) and the file size."""
+    estimate = model.estimate or {}
+    for node in holders:
+        try:
+            header = lifecycle.read_header(model, node)
+        except ServiceError:
+            continue
+        # Estimated for the host memory of one node; a GPU placement adds its CUDA context.
+        computed = lifecycle.estimate_for(model, _Bare(), header)  # type: ignore[arg-type]
+        return int(computed["budgetBytes"]), int(header.get("fileSize") or 0) or None
+    budget = model.memory_budget_bytes or estimate.get("budgetBytes")
+    size = (estimate.get("breakdown") or {}).get("weights")
+    return (int(budget) if budget else None), (int(size) if size else None)
+
+
+class _Bare:
+    """A placement with no GPUs, for estimating before anything is placed."""
+
+    gpu_uuids: list[str] = []
+    gpu_budgets: list[int] = []
+
+
+def suggest_placements(model_id: int) -> dict[str, Any]:
+    """GET /api/models/{id}/placement-suggestions."""
+    model = get_model(model_id)
+    nodes = list(Node.objects.filter(approved=True, revoked=False).order_by("node_id"))
+    statuses = status_cache.read_many([n.node_id for n in nodes])
+    holders = [
+        n
+        for n in nodes
+        if (statuses.get(n.node_id) or {}).get("state") in SERVING
+        and _holds(statuses.get(n.node_id) or {}, model.source_folder)
+    ]
+    budget, size = _budget_and_size(model, holders)
+    candidates = []
+    for node in nodes:
+        status: dict[str, Any] = dict(statuses.get(node.node_id) or {})
+        state = status.get("state", "Offline")
+        reasons: list[str] = []
+        holds = _holds(status, model.source_folder)
+        engine = _engine(node)
+        gpus: list[str] = []
+        fits = False
+        if state not in SERVING:
+            reasons.append(f"not serving (state: {state})")
+        if node.draining:
+            reasons.append("draining")
+        if engine is False:
+            reasons.append("llama.cpp is not installed")
+        if budget is None:
+            reasons.append("no estimate yet: no serving node holds the weights")
+        else:
+            free_gpus = admission.node_gpus(node, status)
+            if free_gpus:
+                best = None
+                for uuid in free_gpus:
+                    line = admission.check(
+                        node=node,
+                        gpu_uuids=[uuid],
+                        gpu_budgets=[],
+                        budget=budget,
+                        status=status,
+                        starting_budgets=lifecycle.starting_budgets(status, skip=""),
+                    )[0]
+                    if best is None or (line.free or -1) > (best.free or -1):
+                        best = line
+                assert best is not None
+                fits = best.fits
+                if fits and best.uuid:
+                    gpus = [best.uuid]
+                reasons.append(best.text())
+            else:
+                line = admission.check(
+                    node=node,
+                    gpu_uuids=[],
+                    gpu_budgets=[],
+                    budget=budget,
+                    status=status,
+                    starting_budgets=lifecycle.starting_budgets(status, skip=""),
+                )[0]
+                fits = line.fits
+                reasons.append(line.text())
+        disk_ok: bool | None = True
+        if not holds:
+            free = _models_disk_free(status)
+            disk_ok = None if free is None or size is None else free >= size
+            if disk_ok is False:
+                reasons.append(
+                    f"models disk has {free / admission.GIB:.1f} GiB free, the weights need "  # type: ignore[operator]
+                    f"{size / admission.GIB:.1f} GiB"  # type: ignore[operator]
+                )
+        load = sum(
+            1
+            for inst in (status.get("instances") or {}).values()
+            if inst.get("state") in lifecycle.ACTIVE
+        )
+        usable = state in SERVING and not node.draining and engine is not False
+        candidates.append(
+            {
+                "node": node.node_id,
+                "suitable": bool(usable and fits and disk_ok is not False),
+                "fits": fits,
+                "gpuUuids": gpus,
+                "holdsWeights": holds,
+                "engineInstalled": engine,
+                "diskRoom": disk_ok,
+                "instances": load,
+                "reasons": reasons,
+            }
+        )
+    candidates.sort(
+        key=lambda c: (
+            not c["suitable"],
+            not c["fits"],
+            c["engineInstalled"] is not True,
+            not c["holdsWeights"],
+            c["instances"],
+            c["node"],
+        )
+    )
+    return {
+        "modelId": model.pk,
+        "servedName": model.served_name,
+        "budgetBytes": budget,
+        "suggestions": candidates,
+    }

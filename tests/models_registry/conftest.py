@@ -1,0 +1,3 @@
+"""Model tests reuse the in-process enrolled agent of the node tests."""
+
+from tests.nodes.conftest import enrolled  # noqa: F401  (a fixture, used by name)
