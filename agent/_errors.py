@@ -16,8 +16,15 @@ One tree, so callers can catch as broadly or narrowly as they need::
         +-- NotFound                404 not_found
         +-- MethodNotAllowed        405 method_not_allowed
         +-- Conflict                409 conflict
+        |   +-- DownloadRunning     409 download_running (a download for that folder is going)
+        |   +-- FolderExists        409 folder_exists (the folder is already there)
+        |   +-- InsufficientDisk    409 insufficient_disk (the selection does not fit)
+        |   +-- NotFetched          409 not_fetched (no manifest: the operator's folder)
+        |   +-- FolderInUse         409 folder_in_use (an instance runs from the folder)
         +-- SpecRejected            422 spec_rejected
         +-- ExecutableUnverified    422 executable_unverified
+        +-- NothingToDownload       422 nothing_to_download
+        +-- NotSupported            501 not_supported
         +-- UpstreamUnavailable     502 upstream_unavailable
         +-- ModelNotRunning         503 model_not_running
         +-- ServerBusy              503 server_busy
@@ -151,3 +158,33 @@ class ServerBusy(ApiError):
 class StateUnavailable(ApiError):
     code = "state_unavailable"
     status = 503
+
+
+class DownloadRunning(Conflict):
+    code = "download_running"
+
+
+class FolderExists(Conflict):
+    code = "folder_exists"
+
+
+class InsufficientDisk(Conflict):
+    code = "insufficient_disk"
+
+
+class NotFetched(Conflict):
+    code = "not_fetched"
+
+
+class FolderInUse(Conflict):
+    code = "folder_in_use"
+
+
+class NothingToDownload(ApiError):
+    code = "nothing_to_download"
+    status = 422
+
+
+class NotSupported(ApiError):
+    code = "not_supported"
+    status = 501

@@ -43,11 +43,46 @@ def describe_request(method: str, path: str) -> tuple[str, str | None]:
     parts = path.rstrip("/").split("/")
     if method == "POST" and path.rstrip("/") == "/agent/v1/instances":
         return "launch", None
+    # Only /instances/... names an instance; /downloads/{folder} and
+    # /model-folders/{folder} have the same shape but name a folder.
+    if len(parts) < 5 or parts[3] != "instances":
+        return "other", None
     if method == "POST" and len(parts) == 6 and parts[-1] == "stop":
         return "stop", parts[4]
     if method == "DELETE" and len(parts) == 5:
         return "delete", parts[4]
     return "other", None
+
+
+REDACTED = "[redacted]"
+# Keys whose values are secrets wherever they appear in a recorded JSON body.
+_SECRET_KEYS = frozenset({"token"})
+
+
+def _redact_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: (REDACTED if k in _SECRET_KEYS and v is not None else _redact_value(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_redact_value(v) for v in value]
+    return value
+
+
+def redact_body(body: bytes | None) -> str:
+    """A body as the log keeps it: JSON with every ``token`` replaced, else the text.
+
+    The operation log must never hold a Hugging Face token, whether a request or an
+    answer carried it. A body that is not JSON is kept as text (answers are JSON).
+    """
+    text = (body or b"").decode("utf-8", "replace")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text
+    redacted = _redact_value(data)
+    return text if redacted == data else json.dumps(redacted)
 
 
 class OperationLog:
@@ -117,7 +152,7 @@ class OperationLog:
                 return
             op["state"] = "succeeded" if status < 400 else "failed"
             op["status"] = status
-            op["body"] = (body or b"").decode("utf-8", "replace")[:65536]
+            op["body"] = redact_body(body)[:65536]
             op["closedAt"] = _now()
             await asyncio.to_thread(self._save)
 

@@ -23,6 +23,20 @@ a record whose process is gone or whose pid now belongs to another process reads
 Stopped (nothing is killed); an orphan of a pending start, or an unidentified process
 of our runtimes folders holding one of our ports with that port in its arguments, is
 stopped; any other process is left alone.
+
+GPUs. A spec may pin GPUs by UUID (``gpuUuids``); the agent checks they exist on this
+node and sets CUDA_VISIBLE_DEVICES to them, in the spec's order. Only one start per GPU
+runs at a time (seed 002 section 7.6, "reserved"): a start takes its GPUs' locks, in
+sorted order, and holds them until the instance is Ready, Failed or stopped; a start
+whose GPUs are busy is answered at once, Starting with ``startQueuedAt`` and no port
+or pid, and goes on when they are free. Starts without GPUs never wait.
+
+Measured memory (seed 002 section 5.3). Right after Ready the agent measures what the
+engine really uses: for a GPU start the rise of nvidia-smi's memory.used on its GPUs
+between just before the process was created and just after Ready (the per-GPU lock is
+what keeps another start's allocation out of it); for a start without GPUs the RSS of
+the engine's whole process group, refreshed at most once a minute while Ready with the
+peak kept. The measurement is persisted with the record, so an adopted engine keeps it.
 """
 
 from __future__ import annotations
@@ -34,7 +48,9 @@ import logging
 import os
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
+from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +59,7 @@ import psutil
 
 from agent._atomic import write_atomic
 from agent._config import AgentConfig
+from agent._describe import GpuProbe, GpuSampler, group_rss, memory_used_by_uuid
 from agent._engine import (
     AdoptedProcess,
     EngineProcess,
@@ -76,7 +93,7 @@ from agent._spec import (
 )
 from agent._util import iso_time
 
-__all__ = ["Instance", "ProcessRuntime"]
+__all__ = ["Instance", "Measured", "ProcessRuntime"]
 
 log = logging.getLogger("mirbad.agent.process")
 
@@ -88,6 +105,115 @@ PENDING_ERROR = "The agent restarted while it was starting the engine."
 PENDING_STOPPED_ERROR = (
     "The agent restarted while it was starting the engine; the engine was stopped."
 )
+QUEUED_ERROR = "The agent restarted while the start was waiting for its GPUs; it was not started."
+RSS, GPU_DELTA = "rss", "gpu-delta"
+MIB = 2**20
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class Measured:
+    """What an instance's engine really uses, measured after Ready (seed 002 section 5.3).
+
+    ``kind`` is ``rss`` (the process group's resident memory, for a start without GPUs)
+    or ``gpu-delta`` (the rise of memory.used on the placed GPUs over the start, with
+    ``per_gpu`` by UUID). ``note`` says when a figure was clamped.
+    """
+
+    kind: str
+    bytes: int
+    at: float
+    peak_bytes: int
+    per_gpu: dict[str, int] | None = None
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The instance's ``measured`` object."""
+        out: dict[str, Any] = {
+            "bytes": self.bytes,
+            "kind": self.kind,
+            "at": iso_time(self.at),
+            "peakBytes": self.peak_bytes,
+        }
+        if self.per_gpu is not None:
+            out["perGpu"] = dict(self.per_gpu)
+        if self.note:
+            out["note"] = self.note
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Measured | None:
+        """A persisted measurement; None when the record has none or it is malformed."""
+        if not isinstance(data, dict):
+            return None
+        kind, size, at = data.get("kind"), data.get("bytes"), data.get("at")
+        if kind not in (RSS, GPU_DELTA) or not _is_int(size) or not isinstance(at, str):
+            return None
+        try:
+            moment = datetime.fromisoformat(at.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            return None
+        peak = data.get("peakBytes")
+        per_gpu: dict[str, int] | None = None
+        if kind == GPU_DELTA:
+            raw = data.get("perGpu")
+            items = raw.items() if isinstance(raw, dict) else ()
+            per_gpu = {str(k): v for k, v in items if _is_int(v)}
+        note = data.get("note")
+        return cls(
+            kind=kind,
+            bytes=size,
+            at=moment,
+            peak_bytes=max(peak, size) if _is_int(peak) else size,
+            per_gpu=per_gpu,
+            note=note if isinstance(note, str) else None,
+        )
+
+
+class _GpuLocks:
+    """One start at a time per GPU: an asyncio.Lock per UUID, always taken in sorted order.
+
+    Sorted order means two starts sharing GPUs can never each hold one the other waits
+    for. ``free`` tells whether ``take`` would get every lock without waiting: none is
+    held and no start is already queued for one (a queued start goes first).
+    """
+
+    def __init__(self) -> None:
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._waiting: Counter[str] = Counter()
+
+    def _lock(self, uuid: str) -> asyncio.Lock:
+        return self._locks.setdefault(uuid, asyncio.Lock())
+
+    def free(self, uuids: tuple[str, ...]) -> bool:
+        """True when :meth:`take` would return without waiting."""
+        return all(not self._lock(u).locked() and not self._waiting[u] for u in uuids)
+
+    async def take(self, uuids: tuple[str, ...]) -> list[asyncio.Lock]:
+        """Wait for every GPU's lock, in sorted order; on cancellation hold none of them."""
+        held: list[asyncio.Lock] = []
+        try:
+            for uuid in sorted(set(uuids)):
+                lock = self._lock(uuid)
+                self._waiting[uuid] += 1
+                try:
+                    await lock.acquire()
+                finally:
+                    self._waiting[uuid] -= 1
+                held.append(lock)
+        except BaseException:
+            self.release(held)
+            raise
+        return held
+
+    @staticmethod
+    def release(held: list[asyncio.Lock]) -> None:
+        """Release locks :meth:`take` returned (each exactly once: the caller clears its list)."""
+        for lock in held:
+            lock.release()
 
 
 class Instance:
@@ -124,9 +250,17 @@ class Instance:
         self.argv_digest: str | None = None
         self.pid_exe: str | None = None
         self.adopted = False
+        # Set while the start waits for a GPU another start holds.
+        self.start_queued_at: float | None = None
+        # The GPU locks this instance's start holds (released at Ready, Failed, stop).
+        self.gpu_held: list[asyncio.Lock] = []
+        self.measured: Measured | None = None
+        # memory.used per placed GPU just before the process was created.
+        self.gpu_baseline: dict[str, int] | None = None
 
     @property
     def instance_id(self) -> str:
+        """The master's id of this instance."""
         return self.spec.instance_id
 
     def to_json(self) -> dict[str, Any]:
@@ -146,6 +280,9 @@ class Instance:
             "fingerprint": self.fingerprint,
             "restartCount": self.restart_count,
             "executable": {"name": self.executable.name, "version": self.executable.version},
+            "gpuUuids": list(self.spec.gpu_uuids),
+            "startQueuedAt": iso_time(self.start_queued_at) if self.start_queued_at else None,
+            "measured": self.measured.to_json() if self.measured else None,
         }
 
     def to_record(self) -> dict[str, Any]:
@@ -164,6 +301,7 @@ class Instance:
             "modelPath": str(self.model_path) if self.model_path.parts else None,
             "startedAtEpoch": self.started_at,
             "readyAtEpoch": self.ready_at,
+            "gpuBaselineBytes": self.gpu_baseline,
         }
 
 
@@ -178,7 +316,12 @@ class ProcessRuntime:
         bus: EventBus,
         ready_poll_interval: float = 0.5,
         stop_grace_seconds: float = 10.0,
+        gpu_probe: GpuProbe | None = None,
+        measure_refresh_seconds: float = 60.0,
     ) -> None:
+        """``gpu_probe`` replaces nvidia-smi (tests pretend to have GPUs with it);
+        ``measure_refresh_seconds`` is how often a Ready instance's RSS is re-measured.
+        """
         self._config = config
         self._catalogue = catalogue
         self._bus = bus
@@ -190,12 +333,16 @@ class ProcessRuntime:
         self._session: aiohttp.ClientSession | None = None
         self._state_file = config.state_directory / PROCESSES_FILE
         self._log_dir = config.state_directory / "logs"
+        self.gpus = GpuSampler(gpu_probe)
+        self._gpu_locks = _GpuLocks()
+        self._measure_refresh = measure_refresh_seconds
 
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
         """Open the probe session, adopt the previous run's engines and stop its orphans."""
         self._log_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.gpus.cached()  # a first GPU probe in the background, for heartbeats and launches
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=5), connector=aiohttp.TCPConnector(force_close=True)
         )
@@ -226,6 +373,7 @@ class ProcessRuntime:
                         inst.proc = None
                         log.info("Leaving %s running (pid %s)", inst.instance_id, inst.pid)
             self._persist_quietly()
+        await self.gpus.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -320,6 +468,10 @@ class ProcessRuntime:
                     pending.append(Pending(instance_id=iid, digest=digest, since=float(since)))
                 if inst is not None:
                     inst.error = PENDING_ERROR
+            elif record.get("startQueuedAt") and not isinstance(pid, int):
+                # It never got its GPUs, so there is no process to look for.
+                if inst is not None:
+                    inst.error = QUEUED_ERROR
             elif record.get("state") in (STARTING, READY) and isinstance(pid, int) and pid > 0:
                 # The pidfd first: once the identity is checked it cannot be a later process.
                 pidfd = open_pidfd(pid)
@@ -413,6 +565,12 @@ class ProcessRuntime:
         inst.argv_digest = record.get("argvDigest") or obs.digest
         started = record.get("startedAtEpoch")
         inst.started_at = float(started) if isinstance(started, int | float) else obs.create_time
+        # The engine is the same process, so what was measured at its start still holds
+        # (a GPU delta cannot be taken again: the "before" is long gone).
+        inst.measured = Measured.from_json(record.get("measured"))
+        baseline = record.get("gpuBaselineBytes")
+        if isinstance(baseline, dict):
+            inst.gpu_baseline = {str(k): v for k, v in baseline.items() if _is_int(v)}
         log_path = self._log_dir / f"ss-{inst.instance_id}.log"
         with contextlib.suppress(OSError):
             inst.log_offset = log_path.stat().st_size
@@ -456,7 +614,11 @@ class ProcessRuntime:
     # -- launch ----------------------------------------------------------------------
 
     async def launch(self, body: Any) -> dict[str, Any]:
-        """Validate and start an instance; idempotent for an identical running spec."""
+        """Validate and start an instance; idempotent for an identical running spec.
+
+        A start whose GPUs another start holds is answered at once (Starting, with
+        ``startQueuedAt``); its supervisor starts the engine when the GPUs are free.
+        """
         spec = parse_launch_spec(body)
         check_runtime(spec)
         alias = check_args(spec.args)
@@ -464,6 +626,8 @@ class ProcessRuntime:
         model_path = resolve_model_path(
             self._config.models_root_path, spec.model_folder, spec.model_file
         )
+        if spec.gpu_uuids:
+            await self._check_gpus_present(spec.gpu_uuids)
         exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
         async with self._launch_lock:
             current = self._instances.get(spec.instance_id)
@@ -476,13 +640,23 @@ class ProcessRuntime:
             if current is not None and current.task is not None:
                 await current.task
             inst = Instance(spec=spec, executable=exe, alias=alias, model_path=model_path)
-            inst.port = await self._ports.reserve()
+            if spec.gpu_uuids and not self._gpu_locks.free(spec.gpu_uuids):
+                return self._queue_launch(inst, current)
+            if spec.gpu_uuids:
+                # Free was checked just above with nothing awaited since: this cannot wait.
+                inst.gpu_held = await self._gpu_locks.take(spec.gpu_uuids)
+            try:
+                inst.port = await self._ports.reserve()
+            except BaseException:
+                self._release_gpus(inst)
+                raise
             self._instances[spec.instance_id] = inst
             self._mark_pending(inst)
             try:
                 self._persist()
             except StateUnavailable:
                 self._ports.release(inst.port)
+                self._release_gpus(inst)
                 if current is not None:
                     self._instances[spec.instance_id] = current
                 else:
@@ -495,6 +669,188 @@ class ProcessRuntime:
                     self._supervise(inst), name=f"supervise-{inst.instance_id}"
                 )
             return inst.to_json()
+
+    def _queue_launch(self, inst: Instance, current: Instance | None) -> dict[str, Any]:
+        """Record a start that waits for its GPUs, and hand it to its supervisor."""
+        inst.start_queued_at = time.time()
+        self._instances[inst.instance_id] = inst
+        try:
+            self._persist()
+        except StateUnavailable:
+            if current is not None:
+                self._instances[inst.instance_id] = current
+            else:
+                del self._instances[inst.instance_id]
+            raise
+        log.info(
+            "Start of %s waits for GPU(s) %s: another start holds them",
+            inst.instance_id,
+            ", ".join(inst.spec.gpu_uuids),
+        )
+        inst.task = asyncio.create_task(
+            self._supervise(inst, queued=True), name=f"supervise-{inst.instance_id}"
+        )
+        self._bus.publish("instance", inst.to_json())
+        return inst.to_json()
+
+    async def _check_gpus_present(self, uuids: tuple[str, ...]) -> None:
+        """Refuse (422) a GPU UUID this node's probe does not list."""
+        gpus, error = await self.gpus.current()
+        known = [g["uuid"] for g in gpus if isinstance(g.get("uuid"), str)]
+        unknown = [u for u in uuids if u not in known]
+        if not unknown:
+            return
+        if known:
+            have = "it has " + ", ".join(known)
+        elif self.gpus.absent:
+            have = "it has none: nvidia-smi is not installed"
+        else:
+            have = f"it has none: {error or 'nvidia-smi lists no GPU'}"
+        raise SpecRejected(
+            f"gpuUuids: {unknown[0]} is not a GPU of this node ({have})",
+            details={"field": "gpuUuids", "unknown": unknown, "nodeGpus": known},
+        )
+
+    def _release_gpus(self, inst: Instance) -> None:
+        """Let the next start on this instance's GPUs go (idempotent)."""
+        held, inst.gpu_held = inst.gpu_held, []
+        self._gpu_locks.release(held)
+
+    async def _start_queued(self, inst: Instance) -> bool:
+        """Wait for the instance's GPUs, then start it; False when it ended without starting.
+
+        Waits outside the instance lock, so a stop is never held up by the queue.
+        """
+        held = await self._gpu_locks.take(inst.spec.gpu_uuids)
+        try:
+            async with inst.lock:
+                if inst.stopping:
+                    return False
+                inst.gpu_held, held = held, []
+                queued_at, inst.start_queued_at = inst.start_queued_at, None
+                log.info(
+                    "Instance %s got its GPU(s) after %.1f s in the queue",
+                    inst.instance_id,
+                    time.time() - (queued_at or time.time()),
+                )
+                if inst.port is None:
+                    try:
+                        inst.port = await self._ports.reserve()
+                    except SpecRejected as exc:
+                        self._fail(inst, f"llama-server was not started: {exc.message}", None)
+                        return False
+                return await self._spawn(inst)
+        finally:
+            self._gpu_locks.release(held)
+
+    def _queue_restart(self, inst: Instance) -> None:
+        """A restart after Ready whose GPUs another start holds: Starting, no process yet."""
+        inst.state = STARTING
+        inst.pid = None
+        inst.proc = None
+        inst.ready_at = None
+        inst.measured = None
+        inst.start_queued_at = time.time()
+        log.info(
+            "Restart of %s waits for GPU(s) %s: another start holds them",
+            inst.instance_id,
+            ", ".join(inst.spec.gpu_uuids),
+        )
+        self._changed(inst)
+
+    async def _gpu_used(self, inst: Instance) -> dict[str, int] | None:
+        """memory.used of the instance's GPUs now; None (logged) when the probe cannot say."""
+        gpus, error = await self.gpus.sample()
+        used = memory_used_by_uuid(gpus)
+        missing = [u for u in inst.spec.gpu_uuids if u not in used]
+        if missing:
+            log.warning(
+                "Instance %s: no memory.used for GPU %s (%s); its memory is not measured",
+                inst.instance_id,
+                missing[0],
+                error or "the probe does not list it",
+            )
+            return None
+        return {u: used[u] for u in inst.spec.gpu_uuids}
+
+    async def _measure(self, inst: Instance) -> Measured | None:
+        """What the engine uses right after Ready; None when it cannot be (or was) measured.
+
+        A GPU start keeps a measurement it already has (an adopted engine's: its
+        "before" sample is gone); one without a "before" sample is not measured.
+        """
+        if inst.spec.gpu_uuids:
+            baseline = inst.gpu_baseline
+            if inst.measured is not None or baseline is None:
+                return None
+            if any(u not in baseline for u in inst.spec.gpu_uuids):
+                return None
+            after = await self._gpu_used(inst)
+            if after is None:
+                return None
+            per_gpu: dict[str, int] = {}
+            fell: list[str] = []
+            for uuid in inst.spec.gpu_uuids:
+                delta = after[uuid] - baseline[uuid]
+                if delta < 0:
+                    # Something else released memory during the start (the desktop, a
+                    # game closing); the engine cannot have a negative footprint.
+                    fell.append(f"{uuid} by {-delta / MIB:.0f} MiB")
+                    delta = 0
+                per_gpu[uuid] = delta
+            total = sum(per_gpu.values())
+            note = None
+            if fell:
+                note = (
+                    "memory.used fell during the start on "
+                    + ", ".join(fell)
+                    + "; counted as 0 there, so this is below the real use"
+                )
+            return Measured(
+                kind=GPU_DELTA,
+                bytes=total,
+                at=time.time(),
+                peak_bytes=total,
+                per_gpu=per_gpu,
+                note=note,
+            )
+        if inst.pid is None:
+            return None
+        total, count = await asyncio.to_thread(group_rss, inst.pid)
+        if count == 0:
+            return None
+        previous = inst.measured.peak_bytes if inst.measured and inst.measured.kind == RSS else 0
+        return Measured(kind=RSS, bytes=total, at=time.time(), peak_bytes=max(total, previous))
+
+    async def _refresh_rss(self, inst: Instance) -> None:
+        """Re-measure a Ready engine's group RSS and keep the peak (persisted, no event)."""
+        pid = inst.pid
+        if pid is None or inst.state != READY:
+            return
+        total, count = await asyncio.to_thread(group_rss, pid)
+        if count == 0 or inst.pid != pid or inst.state != READY:
+            return  # it exited meanwhile; the supervisor sees that
+        previous = inst.measured.peak_bytes if inst.measured else 0
+        inst.measured = Measured(
+            kind=RSS, bytes=total, at=time.time(), peak_bytes=max(total, previous)
+        )
+        # No instance event: events mark state changes. /instances and /status show it.
+        self._persist_quietly()
+
+    async def _wait_exit(self, inst: Instance, proc: EngineProcess | AdoptedProcess) -> int | None:
+        """Wait for a Ready engine to exit, re-measuring its RSS every measure period."""
+        if inst.spec.gpu_uuids:
+            return await proc.wait()
+        waiter = asyncio.ensure_future(proc.wait())
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=self._measure_refresh)
+                if done:
+                    return waiter.result()
+                await self._refresh_rss(inst)
+        finally:
+            if not waiter.done():
+                waiter.cancel()
 
     def _argv(self, inst: Instance) -> list[str]:
         assert inst.port is not None
@@ -530,12 +886,20 @@ class ProcessRuntime:
         env = {k: os.environ[k] for k in _BASE_ENV if k in os.environ}
         env.update(inst.spec.env_dict)
         env["LLAMA_API_KEY"] = inst.key
+        if inst.spec.gpu_uuids:
+            # In the spec's order: CUDA numbers the visible devices in it (CUDA0, ...).
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(inst.spec.gpu_uuids)
         log_path = self._log_dir / f"ss-{inst.instance_id}.log"
         inst.state = STARTING
         inst.ready_at = None
         inst.exit_code = None
         inst.error = None
         inst.log_tail = []
+        inst.start_queued_at = None
+        inst.measured = None
+        # The "before" of the GPU delta, as late as possible before the process exists;
+        # this start holds its GPUs' locks, so no other start of ours lands in it.
+        inst.gpu_baseline = await self._gpu_used(inst) if inst.spec.gpu_uuids else None
         try:
             log_file, inst.log_offset = await asyncio.to_thread(
                 open_log, log_path, f"agent: starting {inst.instance_id}: {' '.join(argv)}"
@@ -580,7 +944,10 @@ class ProcessRuntime:
         inst.pid = None
         inst.proc = None
         inst.pending_since = None
+        inst.start_queued_at = None
+        inst.measured = None
         self._ports.release(inst.port)
+        self._release_gpus(inst)
         log.error("Instance %s failed: %s", inst.instance_id, error)
         self._changed(inst)
 
@@ -622,12 +989,20 @@ class ProcessRuntime:
             if not waiter.done():
                 waiter.cancel()
 
-    async def _supervise(self, inst: Instance) -> None:
+    async def _supervise(self, inst: Instance, *, queued: bool = False) -> None:
+        """Wait for Ready, measure, then watch for the exit and restart within budget.
+
+        ``queued``: the start still waits for its GPUs; this task starts it first.
+        """
         try:
+            if queued and not await self._start_queued(inst):
+                return
             while True:
                 proc = inst.proc
                 assert proc is not None
                 outcome = await self._wait_ready(inst, proc)
+                # Before the Ready event, so the event already carries the measurement.
+                measured = await self._measure(inst) if outcome == "ready" else None
                 async with inst.lock:
                     if inst.stopping:
                         return
@@ -650,6 +1025,10 @@ class ProcessRuntime:
                         return
                     inst.state = READY
                     inst.ready_at = time.time()
+                    if measured is not None:
+                        inst.measured = measured
+                    # Its memory is measured: the next start on these GPUs may go.
+                    self._release_gpus(inst)
                     log.info(
                         "Instance %s is Ready on port %s%s",
                         inst.instance_id,
@@ -657,7 +1036,8 @@ class ProcessRuntime:
                         " (adopted)" if inst.adopted else "",
                     )
                     self._changed(inst)
-                code = await proc.wait()
+                code = await self._wait_exit(inst, proc)
+                queued = False
                 async with inst.lock:
                     if inst.stopping:
                         return
@@ -684,9 +1064,20 @@ class ProcessRuntime:
                         len(inst.restarts),
                         self._config.restart_budget,
                     )
-                    if not await self._spawn(inst):
-                        return
+                    # A restart is a start too: one per GPU at a time.
+                    gpus = inst.spec.gpu_uuids
+                    queued = bool(gpus) and not self._gpu_locks.free(gpus)
+                    if queued:
+                        self._queue_restart(inst)
+                    else:
+                        if gpus:
+                            inst.gpu_held = await self._gpu_locks.take(gpus)
+                        if not await self._spawn(inst):
+                            return
+                if queued and not await self._start_queued(inst):
+                    return
         except asyncio.CancelledError:
+            self._release_gpus(inst)
             raise
         except Exception as exc:
             log.exception("The supervisor of %s crashed", inst.instance_id)
@@ -716,9 +1107,13 @@ class ProcessRuntime:
             inst.pid = None
             inst.proc = None
             inst.pending_since = None
+            inst.start_queued_at = None
+            inst.measured = None
+            inst.gpu_baseline = None
             inst.error = None
             inst.log_tail = []
             self._ports.release(inst.port)
+            self._release_gpus(inst)
             self._changed(inst)
             return inst.to_json()
 

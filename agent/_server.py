@@ -22,9 +22,11 @@ from aiohttp import web
 
 from agent._config import AgentConfig
 from agent._describe import describe, disks, docker_reachable, memory, probe_gpus
+from agent._downloads import DownloadManager
 from agent._errors import (
     ApiError,
     ClientNotMaster,
+    DownloadRunning,
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
@@ -32,8 +34,7 @@ from agent._errors import (
 from agent._events import EventBus
 from agent._executables import Catalogue
 from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
-from agent._gguf import read_header
-from agent._gguf import summary as gguf_summary
+from agent._gguf import is_model_file, read_summary
 from agent._identity import Identity, check_master_client_cert, server_ssl_context
 from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
 from agent._process import ProcessRuntime
@@ -42,13 +43,23 @@ from agent._spec import FOLDER_RE, resolve_model_path
 from agent._telemetry import HealthMonitor, Telemetry, host_facts
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
+from agent._weights import Weights
 
 __all__ = ["ERROR_HEADER", "AgentServer", "error_middleware"]
 
 log = logging.getLogger("mirbad.agent.server")
 T = TypeVar("T")
 
-FEATURES = ["runtime.llamacpp.process", "telemetry", "events", "gguf.inspect"]
+FEATURES = [
+    "runtime.llamacpp.process",
+    "telemetry",
+    "events",
+    "gguf.inspect",
+    "gpus.pinning",
+    "instances.measured",
+    "downloads.hf-native",
+    "weights.inventory",
+]
 
 
 ERROR_HEADER = "x-mirbad-agent-error"
@@ -140,6 +151,13 @@ class AgentServer:
         self._facts = host_facts()
         self.fencing = Fencing(state_dir=config.state_directory)
         self.oplog = OperationLog(state_dir=config.state_directory)
+        self.weights = Weights(models_root=config.models_root_path, in_use=self._folder_in_use)
+        self.downloads = DownloadManager(
+            models_root=config.models_root_path,
+            state_directory=config.state_directory,
+            bus=self.bus,
+            on_finished=self.weights.invalidate,
+        )
         self.port: int | None = None
 
     def _expected_subsystems(self) -> list[dict[str, str]]:
@@ -164,6 +182,7 @@ class AgentServer:
         self.config.models_root_path.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(self.catalogue.verify)
         await self.runtime.start()
+        await self.downloads.start()
         closed = self.oplog.reconcile(self._instance_state)
         if closed:
             log.info("Reconciled %d open operation(s) from the state files", closed)
@@ -201,6 +220,7 @@ class AgentServer:
             await self._runner.cleanup()
             self._runner = None
         await self.runtime.close(stop_instances=self.config.stop_instances_on_shutdown)
+        await self.downloads.close()
         await self.proxy.close()
         await self.health.stop()
         log.info("Agent stopped")
@@ -234,6 +254,12 @@ class AgentServer:
         r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
         r.add_delete("/agent/v1/instances/{instanceId}", self.handle_delete)
         r.add_get("/agent/v1/folders/{folder}/gguf", self.handle_gguf)
+        r.add_get("/agent/v1/downloads", self.handle_downloads)
+        r.add_post("/agent/v1/downloads", self.handle_download_start)
+        r.add_get("/agent/v1/downloads/{folder}", self.handle_download)
+        r.add_delete("/agent/v1/downloads/{folder}", self.handle_download_cancel)
+        r.add_get("/agent/v1/model-folders", self.handle_model_folders)
+        r.add_delete("/agent/v1/model-folders/{folder}", self.handle_model_folder_reclaim)
         r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
         r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
         return app
@@ -336,9 +362,20 @@ class AgentServer:
     # -- handlers --------------------------------------------------------------------
 
     def _heartbeat_data(self) -> dict[str, Any]:
-        """Memory and disk ride on every heartbeat: they change, unlike the rest of /info."""
+        """Memory, disk and GPU memory ride on every heartbeat: they change, unlike /info.
+
+        The GPUs come from the runtime's cached probe: nvidia-smi never runs on the event
+        loop, and a stale answer (over 5 s) only starts a refresh in a thread.
+        """
         paths = [self.config.models_root_path, self.config.state_directory]
-        return {"time": utc_now_iso(), "memory": memory(), "disks": disks(paths)}
+        return {
+            "time": utc_now_iso(),
+            "memory": memory(),
+            "disks": disks(paths),
+            **self.runtime.gpus.heartbeat(),
+            "downloads": self.downloads.heartbeat(),
+            "weights": self.weights.summary(),
+        }
 
     async def handle_gguf(self, request: web.Request) -> web.Response:
         """The header summary of a GGUF in a model folder, read under hard bounds."""
@@ -352,9 +389,7 @@ class AgentServer:
             if not directory.is_dir():
                 raise NotFound(f"model folder {folder!r} does not exist on this node")
             candidates = sorted(
-                p.name
-                for p in directory.iterdir()
-                if p.suffix == ".gguf" and not p.name.startswith("mmproj-") and p.is_file()
+                p.name for p in directory.iterdir() if is_model_file(p.name) and p.is_file()
             )
             if not candidates:
                 raise NotFound(f"model folder {folder!r} holds no model GGUF")
@@ -370,8 +405,43 @@ class AgentServer:
             path = resolve_model_path(root, folder, file)
         except ApiError as exc:
             raise NotFound(exc.message) from None
-        header = await asyncio.to_thread(read_header, path)
-        return web.json_response({"folder": folder, "file": file, **gguf_summary(header)})
+        summary = await asyncio.to_thread(read_summary, path)
+        return web.json_response({"folder": folder, "file": file, **summary})
+
+    def _folder_in_use(self, folder: str) -> bool:
+        """Whether a Starting or Ready instance loads its model from ``folder``."""
+        for item in self.runtime.list():
+            if item["state"] in ("Starting", "Ready"):
+                if self.runtime.get(item["instanceId"]).spec.model_folder == folder:
+                    return True
+        return False
+
+    async def handle_downloads(self, request: web.Request) -> web.Response:
+        return web.json_response({"downloads": self.downloads.list()})
+
+    async def handle_download_start(self, request: web.Request) -> web.Response:
+        body = await _read_json(request)
+        download = await _complete(self.downloads.create(body))
+        return web.json_response(download, status=202)
+
+    async def handle_download(self, request: web.Request) -> web.Response:
+        return web.json_response(self.downloads.get(request.match_info["folder"]))
+
+    async def handle_download_cancel(self, request: web.Request) -> web.Response:
+        download = await _complete(self.downloads.cancel(request.match_info["folder"]))
+        return web.json_response(download)
+
+    async def handle_model_folders(self, request: web.Request) -> web.Response:
+        return web.json_response(await asyncio.to_thread(self.weights.inventory))
+
+    async def handle_model_folder_reclaim(self, request: web.Request) -> web.Response:
+        folder = request.match_info["folder"]
+        if folder in self.downloads.active_folders():
+            raise DownloadRunning(f"a download for folder {folder!r} is running; DELETE it first")
+        # The checks read the runtime's instances, so they run here, on the loop; only
+        # the unlinking goes to a thread.
+        plan = self.weights.check_reclaim(folder)
+        return web.json_response(await asyncio.to_thread(self.weights.carry_out, plan))
 
     async def handle_info(self, request: web.Request) -> web.Response:
         return web.json_response(

@@ -13,16 +13,20 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from agent._errors import InvalidRequest, SpecRejected
 
 __all__ = [
+    "GPU_UUID_RE",
     "INSTANCE_ID_RE",
     "LaunchSpec",
     "check_args",
     "check_env",
+    "check_folder_name",
+    "check_relative_name",
+    "confined_path",
     "fingerprint",
     "parse_launch_spec",
     "resolve_model_path",
@@ -41,7 +45,11 @@ _ALIAS_FLAGS = ("--alias", "-a")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Variables the agent sets itself, and the dynamic loader's, which would let a spec run
 # foreign code inside the engine.
-_RESERVED_ENV = {"LLAMA_API_KEY", "PATH", "HOME", "LANG"}
+_RESERVED_ENV = {"LLAMA_API_KEY", "PATH", "HOME", "LANG", "CUDA_VISIBLE_DEVICES"}
+# GPU pinning (gpuUuids). A MIG instance has its own MIG-... UUID. Commas never match:
+# the UUIDs are joined with commas into CUDA_VISIBLE_DEVICES.
+GPU_UUID_RE = re.compile(r"^(?:GPU-[0-9a-fA-F-]{8,64}|MIG-[0-9A-Za-z-]{8,64})$")
+MAX_GPUS = 16
 _RESERVED_ENV_PREFIXES = ("LD_", "LLAMA_ARG_")
 
 
@@ -60,9 +68,13 @@ class LaunchSpec:
     model_file: str
     args: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
+    # In the master's placement order: CUDA renumbers the visible devices in this order,
+    # and the builder's --device CUDA0[,CUDA1] refers to that numbering.
+    gpu_uuids: tuple[str, ...] = ()
 
     @property
     def env_dict(self) -> dict[str, str]:
+        """The spec's extra environment variables as a dict."""
         return dict(self.env)
 
     def to_json(self) -> dict[str, Any]:
@@ -77,10 +89,12 @@ class LaunchSpec:
             "model": {"folder": self.model_folder, "file": self.model_file},
             "args": list(self.args),
             "env": dict(self.env),
+            "gpuUuids": list(self.gpu_uuids),
         }
 
 
 def _require_str(body: dict[str, Any], key: str, where: str = "") -> str:
+    """``body[key]`` as a non-empty string; InvalidRequest naming the field otherwise."""
     value = body.get(key)
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"field '{where}{key}' is required and must be a non-empty string")
@@ -88,10 +102,33 @@ def _require_str(body: dict[str, Any], key: str, where: str = "") -> str:
 
 
 def _require_object(body: dict[str, Any], key: str) -> dict[str, Any]:
+    """``body[key]`` as a JSON object; InvalidRequest naming the field otherwise."""
     value = body.get(key)
     if not isinstance(value, dict):
         raise InvalidRequest(f"field '{key}' is required and must be an object")
     return value
+
+
+def _parse_gpu_uuids(body: dict[str, Any]) -> tuple[str, ...]:
+    """``gpuUuids``: absent, null or [] mean no pinning; else distinct GPU/MIG UUIDs."""
+    value = body.get("gpuUuids")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_GPUS:
+        raise InvalidRequest(f"field 'gpuUuids' must be a list of at most {MAX_GPUS} GPU UUIDs")
+    seen: set[str] = set()
+    for index, uuid in enumerate(value):
+        if not isinstance(uuid, str) or not GPU_UUID_RE.fullmatch(uuid):
+            raise InvalidRequest(
+                f"field 'gpuUuids[{index}]' ({uuid!r}) is not a GPU UUID "
+                "(GPU-<hex> as nvidia-smi reports it, or MIG-...)"
+            )
+        # nvidia-smi prints lower case, but a hand-written spec may not: the same GPU
+        # twice would make CUDA show one device where the argv expects two.
+        if uuid.lower() in seen:
+            raise InvalidRequest(f"field 'gpuUuids' names {uuid} twice")
+        seen.add(uuid.lower())
+    return tuple(value)
 
 
 def parse_launch_spec(body: Any) -> LaunchSpec:
@@ -125,6 +162,7 @@ def parse_launch_spec(body: Any) -> LaunchSpec:
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
         raise InvalidRequest("field 'env' must be an object of string values")
+    gpu_uuids = _parse_gpu_uuids(body)
     return LaunchSpec(
         instance_id=instance_id,
         model_id=model_id,
@@ -137,6 +175,7 @@ def parse_launch_spec(body: Any) -> LaunchSpec:
         model_file=file,
         args=tuple(args),
         env=tuple(sorted(env.items())),
+        gpu_uuids=gpu_uuids,
     )
 
 
@@ -211,6 +250,11 @@ def check_env(env: tuple[tuple[str, str], ...]) -> None:
     for name, _value in env:
         if not _ENV_NAME_RE.fullmatch(name):
             raise SpecRejected(f"env name {name!r} is not a valid variable name")
+        if name == "CUDA_VISIBLE_DEVICES":
+            raise SpecRejected(
+                "env CUDA_VISIBLE_DEVICES is refused: the agent sets it itself from "
+                "gpuUuids (pin GPUs by UUID there)"
+            )
         if name in _RESERVED_ENV or name.startswith(_RESERVED_ENV_PREFIXES):
             raise SpecRejected(
                 f"env {name} is refused: the agent sets it itself, or it could override a "
@@ -248,6 +292,67 @@ def resolve_model_path(models_root: Path, folder: str, file: str) -> Path:
         )
     if not resolved.is_file():
         raise SpecRejected(f"model file {folder}/{file} is not a regular file")
+    return resolved
+
+
+def check_folder_name(folder: object, field: str = "folder") -> str:
+    """``folder`` if it is a valid model folder name; else 400 invalid_request naming ``field``.
+
+    The same rule as ``model.folder`` of a launch: ``^[A-Za-z0-9._-]{1,200}$`` and not
+    ``.`` or ``..`` (both match the character class, and both name a directory that is
+    not a model folder).
+    """
+    if not isinstance(folder, str) or not FOLDER_RE.fullmatch(folder) or folder in (".", ".."):
+        raise InvalidRequest(
+            f"{field} {folder!r} must match ^[A-Za-z0-9._-]{{1,200}}$ and not be . or .."
+        )
+    return folder
+
+
+def check_relative_name(name: object, where: str) -> PurePosixPath:
+    """A file name from outside (the hub, a manifest) as a plain relative path.
+
+    Subdirectories are allowed; absolute paths, ``..`` or ``.`` parts, empty parts,
+    backslashes, colons (drive letters, alternate data streams on Windows) and NUL are
+    refused with 400 invalid_request, naming ``where`` the name came from.
+    """
+    if (
+        not isinstance(name, str)
+        or not name
+        or len(name) > 1000
+        or any(c in name for c in ("\\", ":", "\x00"))
+        or name.startswith("/")
+    ):
+        raise InvalidRequest(f"{where}: {name!r} is not a plain relative file name")
+    parts = name.split("/")
+    if any(p in ("", ".", "..") or len(p) > 255 for p in parts):
+        raise InvalidRequest(f"{where}: {name!r} is not a plain relative file name")
+    return PurePosixPath(*parts)
+
+
+def confined_path(root: Path, *parts: str | PurePosixPath) -> Path:
+    """``root/parts`` with symlinks resolved, refused unless it stays inside the root.
+
+    The tail may not exist yet (a download target); whatever part of it exists is
+    resolved, so a symlink anywhere on the way that leaves the root is caught. The
+    comparison is by path components, so ``/srv/models2`` is not inside ``/srv/models``,
+    and the root itself is not a path inside it. Raises 400 invalid_request.
+    """
+    try:
+        real_root = root.resolve(strict=True)
+    except OSError:
+        raise InvalidRequest(f"the models root {root} does not exist on this node") from None
+    joined = real_root.joinpath(*parts)
+    try:
+        resolved = joined.resolve(strict=False)
+    except (OSError, RuntimeError) as exc:
+        raise InvalidRequest(f"{joined} cannot be resolved: {exc}") from None
+    inside = resolved.parts[: len(real_root.parts)] == real_root.parts
+    if not inside or resolved == real_root:
+        raise InvalidRequest(
+            f"{joined.relative_to(real_root)} resolves to {resolved}, outside the models root "
+            f"{real_root}"
+        )
     return resolved
 
 

@@ -49,6 +49,7 @@ urlpatterns = [
     path("api/join-tokens", node_api.JoinTokenCreate.as_view()),
     path("api/takeover", node_api.Takeover.as_view()),
     path("api/model-folders", download_api.ModelFolderList.as_view()),
+    path("api/model-folders/<str:folder>", download_api.ModelFolderDetail.as_view()),
     path("api/model-folders/<str:folder>/gguf", node_api.ModelFolderGguf.as_view()),
     path("api/downloads", download_api.DownloadList.as_view()),
     path("api/downloads/inspect", download_api.DownloadInspect.as_view()),

@@ -5,6 +5,8 @@ variants) and to resolve a revision to an immutable commit SHA; the bytes are
 fetched by the node's agent (seed 002 section 7.1), so they go straight to the
 disk that needs them. The Hugging Face endpoint is huggingface_hub's own
 ``HF_ENDPOINT``, so the master and the agents it drives point at the same hub.
+It is read from the environment at each call and passed to ``HfApi``
+explicitly: huggingface_hub reads ``HF_ENDPOINT`` only once, at import.
 
 The ``?node=`` rules (seed 002 section 6) come from
 :func:`nodes.services.node_from_param`. The token is passed through in the
@@ -18,13 +20,15 @@ and only ``POST /api/reclaim`` naming folders asks nodes to delete them.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from mirbad_site.errors import ServiceError
+from models_registry.lifecycle import agent_error
 from models_registry.models import ModelDefinition
 from nodes import status_cache
-from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
+from nodes.agent_client import AgentClient, AgentError, AgentRefused
 from nodes.models import Node
 from nodes.services import node_from_param
 
@@ -34,47 +38,87 @@ FOLDER_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
-def _invalid(message: str) -> ServiceError:
-    return ServiceError(400, "invalid_request", message)
+def _invalid(message: str, details: dict[str, Any] | None = None) -> ServiceError:
+    return ServiceError(400, "invalid_request", message, details=details)
 
 
-def _hub_error(repo_id: str, revision: str, exc: Exception) -> ServiceError:
+def hub_endpoint() -> str:
+    """The hub's base URL: ``HF_ENDPOINT`` as the environment has it now.
+
+    ``huggingface_hub.constants.ENDPOINT`` is read once at import, so it is only
+    the fallback (it is huggingface.co unless ``HF_ENDPOINT`` was set then).
+    """
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def _hub_error(repo_id: str, revision: str, token: str | None, exc: Exception) -> ServiceError:
+    """The admin API's answer for a hub refusal; never carries the token."""
     from huggingface_hub import errors
 
+    where = f"the Hugging Face hub at {hub_endpoint()}"
     if isinstance(exc, errors.RevisionNotFoundError):
-        return ServiceError(404, "not_found", f"Revision '{revision}' of {repo_id} does not exist.")
-    if isinstance(exc, errors.GatedRepoError):
-        return ServiceError(
-            403, "hub_forbidden", f"{repo_id} is gated: accept its terms and pass a token."
-        )
-    if isinstance(exc, errors.RepositoryNotFoundError):
         return ServiceError(
             404,
             "not_found",
-            f"Repository {repo_id} does not exist on the hub, or it is private and needs a token.",
+            f"Revision '{revision}' of {repo_id} does not exist on {where}; "
+            "name a branch, a tag or a commit SHA of that repo.",
         )
+    if isinstance(exc, errors.GatedRepoError):
+        return ServiceError(
+            403,
+            "hub_forbidden",
+            f"{repo_id} is gated on {where}: accept its terms there and pass a token "
+            "of an account that did.",
+            details={"needsToken": True},
+        )
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        hint = (
+            "or the token given cannot read it"
+            if token
+            else 'or it is private or gated and needs a token (pass "token")'
+        )
+        return ServiceError(
+            404,
+            "not_found",
+            f"Repository {repo_id} was not found on {where}: it does not exist, {hint}.",
+            details={"needsToken": True},
+        )
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    answered = f" (HTTP {status})" if status else f": {type(exc).__name__}"
     return ServiceError(
-        502, "hub_unavailable", f"The Hugging Face hub could not be read: {type(exc).__name__}"
+        502,
+        "hub_unavailable",
+        f"The Hugging Face hub at {hub_endpoint()} could not be read for {repo_id}{answered}; "
+        "try again, or check HF_ENDPOINT and the master's network.",
     )
 
 
+def _check_repo(repo_id: Any, revision: Any, token: Any, fields: tuple[str, str, str]) -> None:
+    repo_field, revision_field, token_field = fields
+    if not isinstance(repo_id, str) or not REPO_RE.match(repo_id):
+        raise _invalid(f"{repo_field}: name a Hugging Face repo as owner/name")
+    if not isinstance(revision, str) or not 0 < len(revision) <= 200:
+        raise _invalid(f"{revision_field}: name a branch, a tag or a commit SHA")
+    if token is not None and not isinstance(token, str):
+        raise _invalid(f"{token_field}: must be a string (a Hugging Face token) or null")
+
+
 def repo_files(repo_id: str, revision: str, token: str | None) -> tuple[str, list[dict[str, Any]]]:
-    """The commit SHA a revision names and the repo's files (name, size) at that commit."""
+    """The commit SHA a revision names and the repo's files (name, size) at that commit.
+
+    The arguments are checked by the caller (:func:`_check_repo`, naming its own fields).
+    """
     from huggingface_hub import HfApi
 
-    if not isinstance(repo_id, str) or not REPO_RE.match(repo_id):
-        raise _invalid("repoId: name a Hugging Face repo as owner/name")
-    if not isinstance(revision, str) or not 0 < len(revision) <= 200:
-        raise _invalid("revision: name a branch, tag or commit SHA")
-    if token is not None and not isinstance(token, str):
-        raise _invalid("token: must be a string")
     try:
         # token=False: never fall back to a token stored on the master's machine.
-        info = HfApi().model_info(
+        info = HfApi(endpoint=hub_endpoint()).model_info(
             repo_id, revision=revision, files_metadata=True, token=token or False
         )
     except Exception as exc:
-        raise _hub_error(repo_id, revision, exc) from None
+        raise _hub_error(repo_id, revision, token, exc) from None
     if not info.sha or not SHA_RE.match(info.sha):
         raise ServiceError(502, "hub_unavailable", f"The hub gave no commit SHA for {repo_id}.")
     files = [{"name": s.rfilename, "size": s.size} for s in info.siblings or []]
@@ -120,11 +164,17 @@ def gguf_variants(files: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 
 def inspect(repo_id: Any, revision: Any, token: Any) -> dict[str, Any]:
     """GET /api/downloads/inspect: read the hub, not a node (no ?node=)."""
-    sha, files = repo_files(repo_id, revision or "main", token)
-    return {"repoId": repo_id, "revision": revision or "main", "commit": sha} | gguf_variants(files)
+    revision = revision or "main"
+    _check_repo(repo_id, revision, token, ("repo", "revision", "token"))
+    sha, files = repo_files(repo_id, revision, token or None)
+    return {"repoId": repo_id, "revision": revision, "commit": sha} | gguf_variants(files)
 
 
 def _node_with(feature: str, node_param: str | None, action: str, what: str) -> Node:
+    """The ``?node=`` node, refused with 501 when it does not report ``feature``.
+
+    ``action`` completes node_from_param's "...; {action} cannot be done now."
+    """
     node = node_from_param(node_param, action=action)
     features = (node.facts or {}).get("features") or []
     if feature not in features:
@@ -134,15 +184,25 @@ def _node_with(feature: str, node_param: str | None, action: str, what: str) -> 
     return node
 
 
+def _check_folder(folder: Any) -> str:
+    if not isinstance(folder, str) or not FOLDER_RE.match(folder) or folder in (".", ".."):
+        raise _invalid(
+            f"folder: {folder!r} is not a folder name; use 1-200 letters, digits, '.', '_' "
+            "or '-' (not '.' or '..')"
+        )
+    return folder
+
+
 def _call(node: Node, method: str, *args: Any) -> Any:
+    """One agent call; its errors become the admin API's (the agent's details kept)."""
     try:
         with AgentClient(node=node, timeout=60.0) as client:
             return getattr(client, method)(*args)
-    except AgentUnreachable as exc:
-        raise ServiceError(503, "node_unreachable", str(exc)) from exc
-    except AgentRefused as exc:
-        status = exc.status if exc.status in (400, 404, 409, 422, 501, 503) else 502
-        raise ServiceError(status, exc.code, exc.message, details=exc.details) from exc
+    except AgentError as exc:
+        error = agent_error(node, exc)
+        if isinstance(exc, AgentRefused) and exc.details:
+            error.details = exc.details
+        raise error from exc
 
 
 def start_download(node_param: str | None, body: Any) -> dict[str, Any]:
@@ -155,42 +215,50 @@ def start_download(node_param: str | None, body: Any) -> dict[str, Any]:
         raise _invalid(f"{unknown[0]}: unknown field; known fields are {', '.join(sorted(known))}")
     source = body.get("source", "huggingface")
     if source == "ollama":
-        raise ServiceError(501, "not_supported", "The Ollama registry source is not available.")
+        raise ServiceError(
+            501,
+            "not_supported",
+            "source: 'ollama' is not supported (the Ollama registry puller is deferred); "
+            "download a Hugging Face GGUF repo with source 'huggingface'.",
+        )
     if source != "huggingface":
-        raise _invalid("source: must be 'huggingface'")
-    folder = body.get("folder")
-    if not isinstance(folder, str) or not FOLDER_RE.match(folder) or folder in (".", ".."):
-        raise _invalid("folder: use 1-200 letters, digits, '.', '_' or '-'")
-    node = _node_with(
-        "downloads.hf-native",
-        node_param,
-        "nothing can be downloaded to it",
-        "download from Hugging Face",
-    )
-    token = body.get("token")
-    sha, files = repo_files(body.get("repoId"), body.get("revision") or "main", token)
+        raise _invalid(f"source: {source!r} is not a source; use 'huggingface'")
+    folder = _check_folder(body.get("folder"))
+    repo_id, token = body.get("repoId"), body.get("token")
+    revision = body.get("revision") or "main"
+    _check_repo(repo_id, revision, token, ("repoId", "revision", "token"))
     patterns = body.get("allowPatterns")
     variant_name = body.get("variant")
-    if variant_name is not None:
-        if patterns is not None:
-            raise _invalid("give either variant or allowPatterns, not both")
-        variants = {v["name"]: v for v in gguf_variants(files)["variants"]}
-        if variant_name not in variants:
-            raise _invalid(
-                f"variant: {variant_name!r} is not a GGUF variant of {body['repoId']}; "
-                f"choose one of: {', '.join(sorted(variants)) or 'none'}"
-            )
-        patterns = variants[variant_name]["allowPatterns"]
-    if (
+    if variant_name is not None and patterns is not None:
+        raise _invalid("variant, allowPatterns: give one of them, not both")
+    if variant_name is not None and not isinstance(variant_name, str):
+        raise _invalid("variant: name a variant as GET /api/downloads/inspect lists it")
+    if variant_name is None and (
         not isinstance(patterns, list)
         or not patterns
         or not all(isinstance(p, str) and p for p in patterns)
     ):
         raise _invalid("allowPatterns: give a non-empty list of file patterns, or a variant")
+    node = _node_with(
+        "downloads.hf-native",
+        node_param,
+        "a download",
+        "download from Hugging Face",
+    )
+    sha, files = repo_files(repo_id, revision, token or None)
+    if variant_name is not None:
+        variants = {v["name"]: v for v in gguf_variants(files)["variants"]}
+        if variant_name not in variants:
+            raise _invalid(
+                f"variant: {variant_name!r} is not a GGUF variant of {repo_id} at {sha}; "
+                f"choose one of: {', '.join(sorted(variants)) or 'none (no .gguf files)'}",
+                details={"variants": sorted(variants)},
+            )
+        patterns = variants[variant_name]["allowPatterns"]
     request = {
         "folder": folder,
         "source": "huggingface",
-        "repoId": body["repoId"],
+        "repoId": repo_id,
         "revision": sha,
         "allowPatterns": patterns,
         "token": token or None,
@@ -200,18 +268,27 @@ def start_download(node_param: str | None, body: Any) -> dict[str, Any]:
 
 
 def list_downloads(node_param: str | None) -> dict[str, Any]:
-    node = _node_with("downloads.hf-native", node_param, "its downloads cannot be read", "download")
+    """GET /api/downloads: the node's downloads, running and finished."""
+    node = _node_with(
+        "downloads.hf-native", node_param, "reading its downloads", "download from Hugging Face"
+    )
     return {"node": node.node_id, "downloads": _call(node, "downloads")}
 
 
 def get_download(node_param: str | None, folder: str) -> dict[str, Any]:
-    node = _node_with("downloads.hf-native", node_param, "its downloads cannot be read", "download")
+    """GET /api/downloads/{folder}: one download, with its files and progress."""
+    _check_folder(folder)
+    node = _node_with(
+        "downloads.hf-native", node_param, "reading its downloads", "download from Hugging Face"
+    )
     return {"node": node.node_id, **_call(node, "download", folder)}
 
 
 def cancel_download(node_param: str | None, folder: str) -> dict[str, Any]:
+    """DELETE /api/downloads/{folder}: cancel it (a completed one's record is forgotten)."""
+    _check_folder(folder)
     node = _node_with(
-        "downloads.hf-native", node_param, "downloads cannot be cancelled", "download"
+        "downloads.hf-native", node_param, "cancelling a download", "download from Hugging Face"
     )
     return {"node": node.node_id, **_call(node, "cancel_download", folder)}
 
@@ -219,9 +296,21 @@ def cancel_download(node_param: str | None, folder: str) -> dict[str, Any]:
 def model_folders(node_param: str | None) -> dict[str, Any]:
     """GET /api/model-folders: the weights a node holds, which of them it fetched."""
     node = _node_with(
-        "weights.inventory", node_param, "its model folders cannot be read", "list its weights"
+        "weights.inventory", node_param, "reading its model folders", "list its weights"
     )
     return {"node": node.node_id, **_call(node, "model_folders")}
+
+
+def model_folder(node_param: str | None, folder: str) -> dict[str, Any]:
+    """GET /api/model-folders/{folder}: one folder of the node's inventory."""
+    _check_folder(folder)
+    listing = model_folders(node_param)
+    for item in listing.get("folders") or []:
+        if item.get("folder") == folder:
+            return {"node": listing["node"], **item}
+    raise ServiceError(
+        404, "not_found", f"Node {listing['node']} holds no model folder '{folder}'."
+    )
 
 
 def _referenced() -> set[str]:
@@ -252,29 +341,34 @@ def reclaim(body: Any) -> dict[str, Any]:
     """POST /api/reclaim {node, folders}: ask the node to delete what it fetched.
 
     A folder a model definition still names is refused here; the node refuses
-    anything it cannot prove it fetched. The answer says "asked to remove" per
-    folder with the node's own verdict.
+    anything it cannot prove it fetched. The answer says per folder, in
+    ``askedToRemove``, whether it was removed and, if not, why (``code`` and
+    ``reason``); for a removed one the node's ``removedFiles``, ``kept`` (files
+    it left, the operator's) and ``bytesFreed``.
     """
-    if not isinstance(body, dict) or set(body) - {"node", "folders"}:
-        raise _invalid("The body must be {node, folders}.")
+    if not isinstance(body, dict):
+        raise _invalid("The body must be a JSON object {node, folders}.")
+    unknown = sorted(set(body) - {"node", "folders"})
+    if unknown:
+        raise _invalid(f"{unknown[0]}: unknown field; the body is {{node, folders}}")
     folders = body.get("folders")
-    if (
-        not isinstance(folders, list)
-        or not folders
-        or not all(isinstance(f, str) and FOLDER_RE.match(f) for f in folders)
-    ):
+    if not isinstance(folders, list) or not folders:
         raise _invalid("folders: name one or more model folders to reclaim")
-    node = _node_with(
-        "weights.inventory", body.get("node"), "nothing can be reclaimed on it", "reclaim weights"
-    )
-    used = _referenced()
-    results = []
     for folder in folders:
+        _check_folder(folder)
+    node_param = body.get("node")
+    if node_param is not None and not isinstance(node_param, str):
+        raise _invalid("node: must be a node id")
+    node = _node_with("weights.inventory", node_param, "reclaiming weights", "reclaim weights")
+    used = _referenced()
+    results: list[dict[str, Any]] = []
+    for folder in dict.fromkeys(folders):
         if folder in used:
             results.append(
                 {
                     "folder": folder,
                     "removed": False,
+                    "code": "folder_referenced",
                     "reason": "a model definition uses it; delete or change that model first",
                 }
             )
@@ -282,7 +376,17 @@ def reclaim(body: Any) -> dict[str, Any]:
         try:
             answer = _call(node, "reclaim", folder)
         except ServiceError as exc:
-            results.append({"folder": folder, "removed": False, "reason": exc.message})
+            results.append(
+                {"folder": folder, "removed": False, "code": exc.code, "reason": exc.message}
+            )
             continue
-        results.append({"folder": folder, "removed": True, **answer})
+        results.append(
+            {
+                "folder": folder,
+                "removed": True,
+                "removedFiles": answer.get("removed", []),
+                "kept": answer.get("kept", []),
+                "bytesFreed": answer.get("bytesFreed"),
+            }
+        )
     return {"node": node.node_id, "askedToRemove": results}

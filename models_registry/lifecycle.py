@@ -122,7 +122,7 @@ def agent_error(node: Node, exc: Exception) -> ServiceError:
     if isinstance(exc, AgentTimeout):
         return ServiceError(504, "outcome_unknown", f"{exc}. Look at the node before retrying.")
     if isinstance(exc, AgentUnreachable):
-        return ServiceError(503, "node_unreachable", f"Node {node.node_id}: {exc}")
+        return ServiceError(503, "node_unreachable", str(exc))  # it names the node
     assert isinstance(exc, AgentRefused)
     if exc.code in ("stale_master", "competing_master"):
         # Another master drives this node: it is not serving us (PendingTakeover).

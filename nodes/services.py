@@ -535,7 +535,7 @@ def read_gguf(*, node_param: str | None, folder: str, file: str | None) -> dict[
     """The header summary of a GGUF on a node (GET /api/model-folders/{folder}/gguf)."""
     from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
 
-    node = node_from_param(node_param, action="its GGUF files cannot be read")
+    node = node_from_param(node_param, action="reading its GGUF files")
     features = (node.facts or {}).get("features") or []
     if "gguf.inspect" not in features:
         raise ServiceError(

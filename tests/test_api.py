@@ -34,6 +34,7 @@ ENDPOINTS = [
     ("get", "/api/models/1/placement-suggestions"),
     ("get", "/api/estimate-accuracy"),
     ("get", "/api/model-folders"),
+    ("get", "/api/model-folders/f"),
     ("get", "/api/model-folders/f/gguf"),
     ("get", "/api/downloads"),
     ("post", "/api/downloads"),

@@ -39,16 +39,25 @@ class DownloadDetail(APIView):
 
 
 class DownloadInspect(APIView):
-    """GET /api/downloads/inspect?repo=&revision=: the repo's GGUF variants (no ?node=)."""
+    """GET /api/downloads/inspect?repo=&revision=: the repo's GGUF variants (no ?node=).
+
+    A token for a private repo comes in the ``X-HF-Token`` header, never the URL.
+    """
 
     def get(self, request: Request) -> Response:
         q = request.query_params
-        return Response(downloads.inspect(q.get("repo"), q.get("revision"), q.get("token")))
+        token = request.headers.get("X-HF-Token")
+        return Response(downloads.inspect(q.get("repo"), q.get("revision"), token))
 
 
 class ModelFolderList(APIView):
     def get(self, request: Request) -> Response:
         return Response(downloads.model_folders(_node(request)))
+
+
+class ModelFolderDetail(APIView):
+    def get(self, request: Request, folder: str) -> Response:
+        return Response(downloads.model_folder(_node(request), folder))
 
 
 class Reclaim(APIView):

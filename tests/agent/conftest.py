@@ -28,6 +28,9 @@ from agent_support import (
 )
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
+# The fake hub and download-manager fixtures, for the download and weights tests.
+from download_support import bus, hub, make_manager, manager, tiny_gguf  # noqa: F401
+
 from agent._config import AgentConfig, ExecutableEntry
 from agent._executables import write_manifest
 from agent._server import AgentServer

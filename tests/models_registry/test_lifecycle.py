@@ -254,3 +254,15 @@ def test_suggestions_rank_nodes_that_fit_and_hold_the_weights(
     assert "needs 3.0 GiB, 2.0 GiB free after the 2.0 GiB reserve" in " ".join(
         body["suggestions"][2]["reasons"]
     )
+
+
+@pytest.mark.django_db
+def test_an_unanswered_command_is_504_outcome_unknown() -> None:
+    from nodes.agent_client import AgentTimeout, AgentUnreachable
+
+    node = make_node("n1")
+    timeout = lifecycle.agent_error(node, AgentTimeout("node n1: no answer in time"))
+    assert (timeout.status, timeout.code) == (504, "outcome_unknown")
+    assert "Look at the node before retrying" in timeout.message
+    refused = lifecycle.agent_error(node, AgentUnreachable("node n1: connection refused"))
+    assert (refused.status, refused.code) == (503, "node_unreachable")
