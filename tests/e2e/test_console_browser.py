@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ import psutil
 import pytest
 
 from tests.e2e.conftest import ROOT, llama_server_or_fail
+from tests.fakehub import FakeHub
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +30,7 @@ ARGS = [
 ]
 
 
-def test_overview_live(make_stack, tmp_path: Path) -> None:
+def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     if not CHROMIUM.exists():
         pytest.fail("Debian's chromium is not installed: 'apt-get install chromium'")
     from playwright.sync_api import expect, sync_playwright
@@ -45,6 +47,9 @@ def test_overview_live(make_stack, tmp_path: Path) -> None:
     from agent import write_tiny_gguf
 
     write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    hub = FakeHub().start()
+    request.addfinalizer(hub.stop)
+    stack.env["HF_ENDPOINT"] = hub.url
     facts = stack.start()
     user, password = facts["Admin"].split(" ", 1)
     key = facts["API key"]
@@ -79,8 +84,25 @@ def test_overview_live(make_stack, tmp_path: Path) -> None:
         assert api.post(f"/api/models/{created['id']}/start").status_code == 202
         model_state = page.locator(f'tr[data-model="{created["id"]}"] .state')
         expect(model_state).to_have_text("Ready", timeout=60_000)
+        # What the engine really uses arrives with the Ready event.
+        measured = page.locator(f'tr[data-model="{created["id"]}"] .measured')
+        expect(measured).to_have_text(re.compile(r"^\d+\.\d\d GiB$"), timeout=10_000)
+
+        # A download's progress appears live, with a total because the hub sent sizes.
+        hub.add_repo(
+            "mirbad/live-GGUF",
+            {"live.gguf": (stack.data / "models" / "tiny" / "tiny.gguf").read_bytes()},
+        )
+        posted = api.post(
+            "/api/downloads",
+            json={"folder": "live", "repoId": "mirbad/live-GGUF", "variant": "live.gguf"},
+        )
+        assert posted.status_code == 202, posted.text
+        download = page.locator('tr[data-download="local/live"]')
+        expect(download.locator(".state")).to_have_text("Completed", timeout=30_000)
+        expect(download.locator(".progress")).to_have_text(re.compile(r"\(100 %\)$"))
         cpu = page.locator('tr[data-node="local"] .cpu')
-        expect(cpu).to_have_text(__import__("re").compile(r"\d+ %"), timeout=15_000)
+        expect(cpu).to_have_text(re.compile(r"\d+ %"), timeout=15_000)
         page.screenshot(path=str(tmp_path / "overview-ready.png"))
 
         psutil.Process(stack.pid("agent")).kill()
