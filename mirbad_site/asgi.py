@@ -30,7 +30,7 @@ http_app = ASGIStaticFilesHandler(django_app) if settings.STATICFILES_DIRS else 
 
 async def http_dispatch(scope: dict, receive: object, send: object) -> None:
     path_ = scope.get("path", "")
-    if path_ == "/v1" or path_.startswith("/v1/"):
+    if path_ == "/v1" or path_.startswith("/v1/") or path_ == "/metrics":
         await router_app(scope, receive, send)
     else:
         await http_app(scope, receive, send)  # type: ignore[arg-type]

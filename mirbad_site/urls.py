@@ -13,6 +13,8 @@ from models_registry.api import views as model_api
 from nodes import status_cache
 from nodes import views as console
 from nodes.api import views as node_api
+from router import views as key_console
+from router.api import usage as usage_api
 from router.api import views as key_api
 
 
@@ -40,6 +42,8 @@ urlpatterns = [
     path("takeover/", console.takeover, name="takeover"),
     path("nodes/<str:node_id>/rekey/", console.rekey_node, name="node-rekey"),
     path("nodes/<str:node_id>/<str:action>/", console.node_action, name="node-action"),
+    path("keys/", key_console.keys_page, name="keys"),
+    path("keys/<int:key_id>/revoke/", key_console.revoke_key, name="key-revoke"),
     path("login/", auth_views.LoginView.as_view(), name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", healthz),
@@ -73,4 +77,6 @@ urlpatterns = [
     path("api/estimate-accuracy", model_api.EstimateAccuracy.as_view()),
     path("api/keys", key_api.KeyList.as_view()),
     path("api/keys/<int:key_id>", key_api.KeyDetail.as_view()),
+    path("api/usage", usage_api.UsageSummary.as_view()),
+    path("api/usage.csv", usage_api.UsageCsv.as_view()),
 ]

@@ -68,6 +68,8 @@ class LlamaCppSettings:
     batch_size: int | None = None
     ubatch_size: int | None = None
     embedding: bool = False
+    # Router-side, not a flag: truncate + renormalise for ``dimensions`` (section 8.2).
+    emulate_dimensions: bool = True
     pooling: str | None = None
     causal_attention: bool = True
     chat_template: str | None = None
@@ -116,7 +118,7 @@ class LlamaCppSettings:
         choice("cache_type_v", KV_TYPES)
         choice("pooling", POOLING, optional=True)
         choice("reasoning", REASONING)
-        for name in ("embedding", "causal_attention"):
+        for name in ("embedding", "causal_attention", "emulate_dimensions"):
             if name in values and not isinstance(values[name], bool):
                 errors[name] = "must be true or false"
         template = values.get("chat_template")

@@ -15,15 +15,20 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from asgiref.sync import sync_to_async
 
+from nodes import status_cache
 from nodes.services import node_ssl_context
-from router import errors
+from router import errors, metrics, transform
 from router.errors import V1Error
+from router.invalidation import Listener
+from router.limits import Limiter
 from router.routing import Replica, RoutingTable
+from router.usage import UsageMeter
 
 log = logging.getLogger("mirbad.router")
 
@@ -58,6 +63,19 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+@dataclass(slots=True)
+class _Request:
+    """What the metrics need to know about one request, filled in as it goes."""
+
+    started: float
+    model: str = "unknown"
+    key_prefix: str = "none"
+    status: int = 200
+    error_code: str | None = None
+    ttfb: float | None = None
+    overhead: float | None = None
+
+
 class _TooLarge(Exception):
     pass
 
@@ -70,6 +88,30 @@ class RouterApp:
     def __init__(self) -> None:
         self.table = RoutingTable()
         self._session: aiohttp.ClientSession | None = None
+        self.listener = Listener(apply=self.table.invalidate)
+        self._contexts: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self.meter = UsageMeter()
+        self._limiters: dict[int, Limiter] = {}
+
+    def limiter(self) -> Limiter:
+        """One limiter per event loop: redis.asyncio connections belong to their loop."""
+        loop_id = id(asyncio.get_running_loop())
+        limiter = self._limiters.get(loop_id)
+        if limiter is None:
+            limiter = Limiter(redis=status_cache.async_client())
+            self._limiters = {loop_id: limiter}
+        return limiter
+
+    async def _ssl_context(self, node: Any) -> Any:
+        """The node's pinned TLS context, built once per identity (a thread hop otherwise)."""
+        cache_key = (node.pk, tuple(node.pins))
+        context = self._contexts.get(cache_key)
+        if context is None:
+            context = await sync_to_async(node_ssl_context, thread_sensitive=False)(node)
+            if len(self._contexts) > 10_000:
+                self._contexts.clear()
+            self._contexts[cache_key] = context
+        return context
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -86,19 +128,37 @@ class RouterApp:
             await self._lifespan(receive, send)
             return
         started = time.perf_counter()
+        request = _Request(started=started)
         try:
-            await self._handle(scope, receive, send, started)
+            await self._handle(scope, receive, send, request)
         except V1Error as exc:
+            request.status, request.error_code = exc.status, exc.code
             await self._send_error(send, exc, started)
         except _ClientGone:
-            pass
+            request.status = 499  # nginx's "client closed request"
+        finally:
+            metrics.observe_request(
+                request.model,
+                request.key_prefix,
+                request.status,
+                time.perf_counter() - started,
+                ttfb=request.ttfb,
+                overhead=request.overhead,
+                error_code=request.error_code,
+            )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                self.listener.start()
+                self.meter.start()
+                self.limiter().start()  # renews the leases of long requests' slots
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                await self.listener.stop()
+                await self.meter.stop()  # the last few seconds of usage are written too
+                await self.limiter().stop()
                 if self._session is not None:
                     await self._session.close()
                 await send({"type": "lifespan.shutdown.complete"})
@@ -112,13 +172,17 @@ class RouterApp:
             await send({"type": "http.response.start", "status": exc.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, started: float) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, request: _Request) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
         key = await self._authenticate(headers)
+        request.key_prefix = key.prefix
+        if path == "/metrics" and method == "GET":
+            await self._metrics(send, key)
+            return
         if path == "/v1/models" and method == "GET":
-            await self._list_models(send, key, started)
+            await self._list_models(send, key, request.started)
             return
         scope_needed = ENDPOINT_SCOPES.get(path)
         if scope_needed is None:
@@ -133,24 +197,58 @@ class RouterApp:
             body = await _read_body(receive, headers)
         except _TooLarge:
             raise errors.request_too_large(MAX_BODY) from None
-        name = _model_name(body)
+        data = _parse(body)
+        name = data["model"]
         if not key.allows_model(name):
             raise V1Error(403, "model_not_allowed", f"This API key may not use the model '{name}'.")
         route = await self.table.route(name)
         if route is None:
             raise errors.model_not_found(name)
-        tried: set[str] = set()
-        for attempt in range(2):
-            replica = await self.table.pick(route, exclude=tried)
-            tried.add(replica.instance_id)
-            try:
-                await self._proxy(scope, receive, send, replica, headers, body, started, name)
-                return
-            except _RetryableBeforeFirstByte as exc:
-                if attempt == 1 or len(route.replicas) <= len(tried):
-                    raise exc.error from None
-                log.info("Retrying %s on another replica: %s", name, exc.error.message)
-        raise errors.model_not_ready(name)
+        request.model = route.served_name
+        prepared = transform.prepare(
+            path, body, emulate_dimensions=route.emulate_dimensions, data=data
+        )
+        ticket = await self.limiter().admit(key)
+        usage: tuple[int, int] | None = None
+        metrics.inc_in_flight(name)
+        try:
+            tried: set[str] = set()
+            for attempt in range(2):
+                replica = await self.table.pick(route, exclude=tried)
+                tried.add(replica.instance_id)
+                try:
+                    usage = await self._proxy(scope, receive, send, replica, headers, prepared,
+                                              request)  # fmt: skip
+                    return
+                except _RetryableBeforeFirstByte as exc:
+                    if attempt == 1 or len(route.replicas) <= len(tried):
+                        raise exc.error from None
+                    log.info("Retrying %s on another replica: %s", name, exc.error.message)
+            raise errors.model_not_ready(name)
+        finally:
+            metrics.dec_in_flight(name)
+            prompt, completion = usage or (0, 0)
+            await self.limiter().release(ticket, tokens=prompt + completion)
+            self.meter.record(key, name, prompt_tokens=prompt, completion_tokens=completion)
+            if usage:
+                metrics.add_tokens(name, key.prefix, prompt, completion)
+
+    async def _metrics(self, send: Send, key: Any) -> None:
+        """Prometheus text for this web process; scraped with a key that has ``admin``."""
+        if "admin" not in key.scopes:
+            raise V1Error(403, "scope_not_allowed", "/metrics needs a key with the 'admin' scope.")
+        body, content_type = metrics.render()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", content_type.encode()),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
 
     async def _authenticate(self, headers: dict[bytes, bytes]) -> Any:
         auth = headers.get(b"authorization", b"").decode("latin-1")
@@ -192,12 +290,13 @@ class RouterApp:
         send: Send,
         replica: Replica,
         headers: dict[bytes, bytes],
-        body: bytes,
-        started: float,
-        name: str,
-    ) -> None:
+        prepared: transform.Prepared,
+        request: _Request,
+    ) -> tuple[int, int] | None:
+        """Send one request to one replica and stream the answer; returns the usage seen."""
         node = replica.node
-        context = await sync_to_async(node_ssl_context, thread_sensitive=False)(node)
+        name = request.model
+        context = await self._ssl_context(node)
         url = f"{node.address.rstrip('/')}/agent/v1/proxy/{replica.instance_id}{scope['path']}"
         if scope.get("query_string"):
             url += "?" + scope["query_string"].decode("latin-1")
@@ -208,11 +307,11 @@ class RouterApp:
         }
         table = self.table
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
-        overhead = time.perf_counter() - started
+        overhead = time.perf_counter() - request.started
         try:
             try:
                 response = await self.session().request(
-                    "POST", url, data=body, headers=forward, ssl=context
+                    "POST", url, data=prepared.body, headers=forward, ssl=context
                 )
             except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
                 log.warning("Node %s unreachable for %s: %r", node.node_id, name, exc)
@@ -220,18 +319,32 @@ class RouterApp:
                     errors.node_unreachable(name, node.node_id)
                 ) from exc
             async with response:
+                header_start = time.perf_counter()
                 agent_error = response.headers.get(AGENT_ERROR_HEADER)
                 if agent_error:
                     await self._agent_error(response, agent_error, name, node.node_id)
-                header_start = time.perf_counter()
+                prefetched = await _small_body(response) if response.status == 503 else None
+                if prefetched is not None and b"oading" in prefetched:
+                    # llama-server answers 503 "Loading model" while it (re)loads: nothing
+                    # was sent to the client yet, so another replica may take it.
+                    raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
+                ok = 200 <= response.status < 300
+                if ok and prepared.dimensions is not None:
+                    # Emulated dimensions: the only answer the router rewrites whole.
+                    whole = await response.read()
+                    prefetched = transform.transform_embeddings(prepared, whole)
                 out_headers = [
                     (k.lower().encode("latin-1"), v.encode("latin-1"))
                     for k, v in response.headers.items()
                     if k.lower().encode("latin-1") not in HOP_BY_HOP
                     and k.lower() != AGENT_ERROR_HEADER
                 ]
+                if prefetched is not None:
+                    out_headers.append((b"content-length", str(len(prefetched)).encode()))
                 overhead += time.perf_counter() - header_start
+                request.overhead = overhead
                 out_headers.append((b"x-mirbad-overhead-ms", f"{overhead * 1000:.2f}".encode()))
+                request.status = response.status
                 await send(
                     {
                         "type": "http.response.start",
@@ -239,7 +352,18 @@ class RouterApp:
                         "headers": out_headers,
                     }
                 )
-                await _stream(response, receive, send)
+                request.ttfb = time.perf_counter() - request.started
+                if prefetched is not None:
+                    await send({"type": "http.response.body", "body": prefetched})
+                    return transform.usage_from(_json_or_none(prefetched))
+                streamed = ok and "text/event-stream" in response.headers.get("content-type", "")
+                if streamed:
+                    events = transform.StreamFilter(injected_usage=prepared.injected_usage)
+                    await _stream(response, receive, send, events.feed, events.close)
+                    return events.usage
+                sniffer = transform.UsageSniffer()
+                await _stream(response, receive, send, _tee(sniffer), None)
+                return sniffer.usage
         finally:
             table.in_flight[replica.instance_id] -= 1
 
@@ -288,7 +412,16 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
             return b"".join(chunks)
 
 
-def _model_name(body: bytes) -> str:
+async def _small_body(response: aiohttp.ClientResponse) -> bytes | None:
+    """The whole body of a small answer (an engine's 503), None when it is not small."""
+    length = response.content_length
+    if length is None or length > 65536:
+        return None
+    return await response.read()
+
+
+def _parse(body: bytes) -> dict[str, Any]:
+    """The request as a dict, with ``model`` checked (the one parse of the body)."""
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -300,16 +433,44 @@ def _model_name(body: bytes) -> str:
         raise V1Error(
             400, "invalid_request", "'model' is required: name a served model.", param="model"
         )
-    return model
+    return data
 
 
-async def _stream(response: aiohttp.ClientResponse, receive: Receive, send: Send) -> None:
-    """Forward each chunk as it arrives; a client that goes away cancels the upstream."""
+def _tee(sniffer: transform.UsageSniffer) -> Callable[[bytes], bytes]:
+    def feed(chunk: bytes) -> bytes:
+        sniffer.feed(chunk)
+        return chunk
+
+    return feed
+
+
+def _json_or_none(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+async def _stream(
+    response: aiohttp.ClientResponse,
+    receive: Receive,
+    send: Send,
+    feed: Callable[[bytes], bytes],
+    close: Callable[[], bytes] | None,
+) -> None:
+    """Forward each chunk as it arrives; a client that goes away cancels the upstream.
+
+    ``feed`` sees every chunk and returns what to forward now (the SSE filter may
+    hold back an incomplete event, never more); ``close`` returns what it held.
+    """
 
     async def pump() -> None:
         async for chunk in response.content.iter_any():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            out = feed(chunk)
+            if out:
+                await send({"type": "http.response.body", "body": out, "more_body": True})
+        tail = close() if close is not None else b""
+        await send({"type": "http.response.body", "body": tail, "more_body": False})
 
     async def watch() -> None:
         while True:

@@ -99,3 +99,8 @@ def request_too_large(limit: int) -> V1Error:
 
 def upstream_unavailable(message: str) -> V1Error:
     return V1Error(502, "upstream_unavailable", message)
+
+
+def rate_limited(message: str, retry_after: int) -> V1Error:
+    """429 for a key over one of its limits; Retry-After is at least 1 s."""
+    return V1Error(429, "rate_limited", message, retry_after=max(1, retry_after))

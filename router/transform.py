@@ -1,0 +1,624 @@
+"""Request and response transforms of the /v1 router (seed 002 section 8.2, issue 5).
+
+The router is a byte pass-through; this module holds the few places where it is not,
+each written so that the untouched case costs next to nothing and returns the very
+same ``bytes`` object it was given.
+
+* ``prepare`` decides, per request, what goes upstream. Two rewrites exist:
+
+  - a streamed ``/v1/chat/completions`` or ``/v1/completions`` without
+    ``stream_options.include_usage: true`` gets it added, so the engine reports the
+    token usage the router meters (``injected_usage``);
+  - an ``/v1/embeddings`` request with ``dimensions`` for a model with "emulate
+    dimensions" on loses the field (llama-server ignores it and returns every value)
+    and the answer is truncated and renormalised by ``transform_embeddings``.
+
+  Everything else is forwarded byte for byte.
+
+* ``StreamFilter`` forwards server-sent events as they arrive, reads the usage from
+  them and, when the router injected ``include_usage``, removes what the injection
+  added, so the client receives what it would have received without it.
+* ``UsageSniffer`` reads the usage of a non-streamed JSON answer from a bounded head
+  and tail, without copying the body.
+
+What llama-server sends (captured from the real llama-server 0.6.0-dev with a tiny
+GGUF, tests/router/fixtures/llamacpp_*.txt):
+
+* ``/v1/chat/completions`` streamed, without ``include_usage``: a role chunk, one
+  chunk per token, a finish chunk (``"finish_reason":"length"``, ``"delta":{}``) that
+  carries llama.cpp's ``"timings"`` as its last member, then ``data: [DONE]``. No
+  ``usage`` anywhere.
+* the same with ``include_usage: true``: the finish chunk comes *without*
+  ``timings``, followed by one extra event ``{"choices":[], ..., "usage":{...},
+  "timings":{...}}`` and ``[DONE]``. So when the router injected the flag, the filter
+  holds the finish chunk until that extra event (they leave llama-server in one
+  write), drops the extra event and moves its ``timings`` member back onto the
+  finish chunk, byte for byte. The client's stream is then exactly the one it would
+  have had.
+* ``/v1/completions`` streamed: the last content chunk (with ``finish_reason``)
+  carries ``usage`` and ``timings`` *whether or not* ``include_usage`` is set; the
+  flag changes nothing. The filter therefore never removes a ``usage`` from a
+  content chunk: the client would have received it anyway.
+* an error after the stream started is one event ``data: {"error":{...}}`` and the
+  stream ends (llama.cpp's server source); an error before the first token is an
+  ordinary non-streamed JSON answer with its HTTP status. Both pass unchanged.
+* events end in ``\\n\\n``; the filter also accepts ``\\r\\n\\r\\n`` and ``\\r\\r``.
+
+Non-streamed answers carry ``usage`` near the end for chat and completions, but near
+the start (before ``data``) for embeddings, hence the sniffer's head and tail.
+
+Wiring (router/app.py): call ``prepare`` with the dict the router parsed to find
+``model``; send ``prepared.body``. On a 2xx ``text/event-stream`` answer, pass each
+upstream chunk through ``StreamFilter(injected_usage=prepared.injected_usage).feed``
+and send what it returns when non-empty, then ``close()``; read ``.usage`` at the
+end. On any other answer, feed a ``UsageSniffer`` alongside the unchanged chunks.
+When ``prepared.dimensions`` is set and the answer is 2xx, read the whole body,
+send ``transform_embeddings(prepared, body)`` with a new content-length (a V1Error it
+raises is the client's 400).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from router.errors import V1Error
+
+__all__ = [
+    "Prepared",
+    "StreamFilter",
+    "UsageSniffer",
+    "check_dimensions",
+    "prepare",
+    "transform_embeddings",
+    "usage_from",
+]
+
+STREAMED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+EMBEDDINGS_PATH = "/v1/embeddings"
+
+# What is spliced in before the body's closing brace when the client sent no
+# stream_options at all: the common case, and one copy of the body instead of a
+# parse-and-serialise round trip that could change how numbers or strings are spelled.
+_INCLUDE_USAGE_MEMBER = b',"stream_options":{"include_usage":true}'
+
+# An SSE event ends at a blank line; a line ends in \n, \r\n or \r (WHATWG spec).
+_BOUNDARIES = (b"\n\n", b"\r\n\r\n", b"\r\r", b"\n\r\n")
+
+# An event this large cannot be the usage-only event (a few hundred bytes), so the
+# filter forwards it without waiting for its end and stops inspecting it.
+MAX_EVENT = 64 * 1024
+
+_USAGE_KEY = b'"usage"'
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What to send upstream, and what the answer's handling needs to know.
+
+    ``body`` is the request body to forward: the very object passed to ``prepare``
+    unless it was rewritten. ``dimensions`` is set only when the router emulates them
+    (then the answer must go through ``transform_embeddings``). ``injected_usage``
+    means the router added ``include_usage`` and the stream must go through a
+    ``StreamFilter(injected_usage=True)``.
+    """
+
+    body: bytes
+    dimensions: int | None = None
+    encoding_format: str | None = None
+    stream: bool = False
+    injected_usage: bool = False
+
+
+def _invalid_dimensions(message: str) -> V1Error:
+    # vLLM answers a bad dimensions with 400 and type invalid_request_error; the
+    # OpenAI shape of errors.py gives that type to every 4xx.
+    return V1Error(400, "invalid_request_error", message, param="dimensions")
+
+
+def check_dimensions(value: Any, native_dimensions: int | None = None) -> int:
+    """``value`` as a valid dimensions, else a 400 V1Error with param ``dimensions``.
+
+    Only a JSON integer counts: ``true``, ``1.5``, ``3.0`` and ``"3"`` are refused.
+    """
+    if type(value) is not int:  # bool is an int subclass, and is refused
+        raise _invalid_dimensions(f"dimensions must be an integer, got {json.dumps(value)[:40]}.")
+    if value < 1:
+        raise _invalid_dimensions("Dimensions must be greater than 0")
+    if native_dimensions is not None and value > native_dimensions:
+        raise _invalid_dimensions(
+            f"dimensions {value} is larger than the model's {native_dimensions} dimensions."
+        )
+    return value
+
+
+def prepare(
+    path: str,
+    body: bytes,
+    *,
+    emulate_dimensions: bool,
+    data: dict[str, Any] | None = None,
+    native_dimensions: int | None = None,
+) -> Prepared:
+    """Decide what to forward for ``path``; ``data`` is ``body`` already parsed, if it is.
+
+    Raises V1Error 400 for a ``dimensions`` that cannot be emulated. A body that is
+    not a JSON object is forwarded unchanged: refusing it is the router's job.
+    """
+    if path in STREAMED_PATHS:
+        if data is None:
+            if b'"stream"' not in body:
+                return Prepared(body)  # cannot be streamed: no parse needed
+            data = _parse(body)
+            if data is None:
+                return Prepared(body)
+        if data.get("stream") is not True:  # llama.cpp reads only a JSON true
+            return Prepared(body)
+        options = data.get("stream_options")
+        if options is None and "stream_options" not in data:
+            return Prepared(_splice_include_usage(body, data), stream=True, injected_usage=True)
+        if isinstance(options, dict) and options.get("include_usage") is True:
+            return Prepared(body, stream=True)
+        if options is not None and not isinstance(options, dict):
+            # Not ours to repair: the engine answers it as it would without the router.
+            return Prepared(body, stream=True)
+        rewritten = dict(data)
+        rewritten["stream_options"] = {**(options or {}), "include_usage": True}
+        return Prepared(_dumps(rewritten), stream=True, injected_usage=True)
+
+    if path == EMBEDDINGS_PATH and emulate_dimensions:
+        if data is None:
+            if b'"dimensions"' not in body:
+                return Prepared(body)
+            data = _parse(body)
+            if data is None:
+                return Prepared(body)
+        if data.get("dimensions") is None:
+            # Absent (or null, which every engine reads as absent): byte for byte.
+            return Prepared(body)
+        dimensions = check_dimensions(data["dimensions"], native_dimensions)
+        fmt = data.get("encoding_format")
+        rewritten = {k: v for k, v in data.items() if k != "dimensions"}
+        return Prepared(
+            _dumps(rewritten),
+            dimensions=dimensions,
+            encoding_format=fmt if isinstance(fmt, str) else None,
+        )
+
+    return Prepared(body)
+
+
+def _parse(body: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _dumps(data: Any) -> bytes:
+    try:
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (legal as a JSON \\ud800 escape) cannot be UTF-8: keep it escaped.
+        return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _splice_include_usage(body: bytes, data: dict[str, Any]) -> bytes:
+    end = len(body)
+    while end and body[end - 1] in b" \t\r\n":
+        end -= 1
+    start = 0
+    while start < end and body[start] in b" \t\r\n":
+        start += 1
+    # Only a plain UTF-8 object "{...}" with members is spliced; a BOM, UTF-16 or an
+    # empty object goes the safe (re-serialised) way.
+    if not data or end - start < 2 or body[start] != 0x7B or body[end - 1] != 0x7D:
+        rewritten = dict(data)
+        rewritten["stream_options"] = {"include_usage": True}
+        return _dumps(rewritten)
+    return body[: end - 1] + _INCLUDE_USAGE_MEMBER + body[end - 1 :]
+
+
+# --- embeddings ---------------------------------------------------------------------
+
+
+def transform_embeddings(prepared: Prepared, body: bytes) -> bytes:
+    """Truncate each embedding of a 2xx answer to ``prepared.dimensions`` and L2-renormalise.
+
+    Float lists and ``base64`` (little-endian float32) are both handled, per item, by
+    what the item holds. Every other member is kept as is. Returns ``body`` itself when
+    there is nothing to do (no emulation, or not an embeddings list, e.g. an error).
+    Raises V1Error 400 when ``dimensions`` is above the native size, which only the
+    answer tells.
+    """
+    n = prepared.dimensions
+    if n is None:
+        return body
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body
+    items = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(items, list):
+        return body
+    for item in items:
+        if not isinstance(item, dict):
+            continue
+        embedding = item.get("embedding")
+        if isinstance(embedding, str):
+            raw = np.frombuffer(base64.b64decode(embedding), dtype="<f4")
+            cut = _truncate(raw, n)
+            item["embedding"] = base64.b64encode(cut.astype("<f4").tobytes()).decode("ascii")
+        elif isinstance(embedding, list):
+            item["embedding"] = _truncate(np.asarray(embedding, dtype=np.float64), n).tolist()
+    return _dumps(doc)
+
+
+def _truncate(values: np.ndarray, n: int) -> np.ndarray:
+    native = values.shape[-1] if values.ndim else 0
+    if n > native:
+        raise _invalid_dimensions(f"dimensions {n} is larger than the model's {native} dimensions.")
+    # float64 for the norm: the renormalised float32 values are then exactly rounded.
+    cut = np.asarray(values[..., :n], dtype=np.float64)
+    norm = np.linalg.norm(cut, axis=-1, keepdims=True)
+    out = np.zeros_like(cut)
+    np.divide(cut, norm, out=out, where=norm > 0)  # a zero vector stays zero
+    return out
+
+
+# --- usage ----------------------------------------------------------------------------
+
+
+def usage_from(doc: Any) -> tuple[int, int] | None:
+    """(prompt_tokens, completion_tokens) of a response or stream event, or None.
+
+    Reads ``usage`` at the top (chat, completions, embeddings: no completion tokens,
+    counted 0) or under ``response`` (the Responses API's ``response.completed``), and
+    the Responses API's ``input_tokens``/``output_tokens`` names. A list (llama.cpp's
+    answer to several prompts on its native endpoints) is summed.
+    """
+    if isinstance(doc, list):
+        found = [u for u in map(usage_from, doc) if u is not None]
+        if not found:
+            return None
+        return sum(u[0] for u in found), sum(u[1] for u in found)
+    if not isinstance(doc, dict):
+        return None
+    usage = doc.get("usage")
+    if not isinstance(usage, dict):
+        inner = doc.get("response")
+        usage = inner.get("usage") if isinstance(inner, dict) else None
+        if not isinstance(usage, dict):
+            return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0))
+    if type(prompt) is not int or type(completion) is not int:
+        return None
+    return prompt, completion
+
+
+def _event_json(event: bytes) -> Any:
+    """The JSON of an event's data lines, or None (no data, [DONE], not JSON)."""
+    lines = [
+        line[6:] if line.startswith(b"data: ") else line[5:]
+        for line in event.splitlines()
+        if line.startswith(b"data:")
+    ]
+    if not lines:
+        return None
+    payload = lines[0] if len(lines) == 1 else b"\n".join(lines)
+    if payload == b"[DONE]":
+        return None
+    try:
+        return json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _last_boundary(buf: bytes) -> int:
+    """Offset just past the last blank line of ``buf``; 0 when there is none."""
+    if buf.endswith(b"\n\n"):  # llama-server's every chunk: skip the searches
+        return len(buf)
+    end = 0
+    for sep in _BOUNDARIES:
+        i = buf.rfind(sep)
+        if i >= 0 and i + len(sep) > end:
+            end = i + len(sep)
+    return end
+
+
+def _first_boundary(buf: bytes, start: int = 0) -> int:
+    """Offset just past the first blank line at or after ``start``; -1 when none."""
+    end = -1
+    for sep in _BOUNDARIES:
+        i = buf.find(sep, start)
+        if i >= 0 and (end < 0 or i + len(sep) < end):
+            end = i + len(sep)
+    return end
+
+
+def _events(block: bytes) -> list[bytes]:
+    """``block`` (ending at an event boundary) cut into events, terminators included."""
+    out = []
+    pos = 0
+    while pos < len(block):
+        end = _first_boundary(block, pos)
+        if end < 0:
+            out.append(block[pos:])
+            break
+        out.append(block[pos:end])
+        pos = end
+    return out
+
+
+def _has_finish(event: bytes) -> bool:
+    # A string finish_reason (not null): the last content chunk of a choice.
+    return b'"finish_reason":"' in event or b'"finish_reason": "' in event
+
+
+def _timings_member(event: bytes, doc: dict[str, Any]) -> bytes | None:
+    """The event's trailing ``,"timings":{...}`` member, as the engine spelled it."""
+    if not doc or next(reversed(doc)) != "timings":
+        return None
+    start = event.rfind(b',"timings":{')
+    close = event.rfind(b"}")
+    if start < 0 or close < start:
+        return None
+    return event[start:close]
+
+
+class StreamFilter:
+    """Forward an SSE stream as it arrives; read its usage; undo an injected include_usage.
+
+    ``feed`` returns what to send now and ``close`` what is left at the end. When the
+    client asked for usage itself (``injected_usage=False``) every chunk is returned
+    unchanged, as the same object, and only events containing ``"usage"`` are parsed.
+    When the router injected it, whole events are returned as soon as they are
+    complete, except the incomplete trailing event and a finish chunk waiting for the
+    usage event right behind it (see the module docstring); the usage-only event is
+    dropped. Error events are never changed.
+    """
+
+    __slots__ = ("_draining", "_held", "_injected", "_tail", "usage")
+
+    def __init__(self, *, injected_usage: bool) -> None:
+        self._injected = injected_usage
+        self._tail = b""  # the incomplete trailing event, or the last bytes while draining
+        self._held: list[bytes] = []
+        self._draining = False  # inside an over-large event: forward, do not inspect
+        self.usage: tuple[int, int] | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self._injected:
+            self._sniff(chunk)
+            return chunk
+        buf = self._tail + chunk if self._tail else chunk
+        out = b""
+        if self._draining:
+            end = _first_boundary(buf)
+            if end < 0:
+                self._tail = buf[-3:]
+                return chunk
+            self._draining = False
+            # The carried bytes went out already; forward the rest of the big event.
+            out = buf[len(self._tail) : end] if end > len(self._tail) else b""
+            buf = buf[end:]
+        end = _last_boundary(buf)
+        if end:
+            complete = buf if end == len(buf) else buf[:end]
+            out = out + self._process(complete) if out else self._process(complete)
+        tail = buf[end:] if end != len(buf) else b""
+        if len(tail) > MAX_EVENT:
+            out += self._release() + tail  # a held finish chunk came before it
+            tail = tail[-3:]
+            self._draining = True
+        self._tail = tail
+        return out
+
+    def close(self) -> bytes:
+        """What is left: an event cut off without its blank line, a held finish chunk."""
+        tail, self._tail = self._tail, b""
+        if not self._injected:
+            if tail and not self._draining and _USAGE_KEY in tail:
+                self._note_usage(tail)
+            return b""
+        if self._draining:
+            self._draining = False
+            return self._release()
+        out = self._event(tail) if tail else b""
+        return out + self._release()
+
+    def _sniff(self, chunk: bytes) -> None:
+        buf = self._tail + chunk if self._tail else chunk
+        if self._draining:
+            end = _first_boundary(buf)
+            if end < 0:
+                self._tail = buf[-3:]
+                return
+            self._draining = False
+            buf = buf[end:]
+        end = _last_boundary(buf)
+        if end and _USAGE_KEY in (buf if end == len(buf) else buf[:end]):
+            for event in _events(buf[:end]):
+                if _USAGE_KEY in event:
+                    self._note_usage(event)
+        tail = buf[end:] if end != len(buf) else b""
+        if len(tail) > MAX_EVENT:
+            tail = tail[-3:]
+            self._draining = True
+        self._tail = tail
+
+    def _note_usage(self, event: bytes) -> Any:
+        doc = _event_json(event)
+        usage = usage_from(doc)
+        if usage is not None:
+            self.usage = usage
+        return doc
+
+    def _process(self, block: bytes) -> bytes:
+        if not self._held and _USAGE_KEY not in block and not _has_finish(block):
+            return block  # nothing to drop or hold: the common chunk
+        return b"".join([self._event(event) for event in _events(block)])
+
+    def _event(self, event: bytes) -> bytes:
+        if _USAGE_KEY in event:
+            doc = self._note_usage(event)
+            if (
+                isinstance(doc, dict)
+                and doc.get("choices") == []
+                and "error" not in doc
+                and usage_from(doc) is not None
+            ):
+                # The event include_usage added: drop it, give its timings back.
+                return self._release(_timings_member(event, doc))
+            # usage inside a content chunk (llama.cpp /v1/completions): the client
+            # gets it with or without include_usage, so it stays.
+            return self._release() + event
+        if _has_finish(event) and b'"error"' not in event:
+            self._held.append(event)
+            return b""
+        return self._release() + event if self._held else event
+
+    def _release(self, timings: bytes | None = None) -> bytes:
+        if not self._held:
+            return b""
+        held, self._held = self._held, []
+        last = held[-1]
+        if timings and b'"timings"' not in last:
+            close = last.rfind(b"}")
+            if close >= 0:
+                held[-1] = last[:close] + timings + last[close:]
+        return b"".join(held)
+
+
+class UsageSniffer:
+    """Usage of a non-streamed JSON answer, from references to its first and last chunks.
+
+    ``feed`` copies nothing: it keeps references to the chunks that cover the first and
+    the last ``limit`` bytes. ``usage`` then parses only the ``"usage": {...}`` object
+    found last in the tail (chat, completions) or else first in the head (llama.cpp's
+    embeddings put it before ``data``). The whole body is parsed only when it is at
+    most ``2 * limit`` bytes and is a list (several prompts, summed) or the search
+    found nothing.
+    """
+
+    __slots__ = (
+        "_done",
+        "_head",
+        "_head_size",
+        "_limit",
+        "_result",
+        "_size",
+        "_tail",
+        "_tail_size",
+    )
+
+    def __init__(self, limit: int = 16 * 1024) -> None:
+        self._limit = limit
+        self._head: list[bytes] = []
+        self._head_size = 0
+        self._tail: list[bytes] = []
+        self._tail_size = 0
+        self._size = 0
+        self._result: tuple[int, int] | None = None
+        self._done = False  # _result is computed for what was fed
+
+    def feed(self, chunk: bytes) -> None:
+        if not chunk:
+            return
+        self._done = False
+        self._size += len(chunk)
+        if self._head_size < self._limit:
+            self._head.append(chunk)
+            self._head_size += len(chunk)
+            return
+        self._tail.append(chunk)
+        self._tail_size += len(chunk)
+        while len(self._tail) > 1 and self._tail_size - len(self._tail[0]) >= self._limit:
+            self._tail_size -= len(self._tail.pop(0))
+
+    @property
+    def usage(self) -> tuple[int, int] | None:
+        """(prompt_tokens, completion_tokens) of what was fed, or None."""
+        if not self._done:
+            self._result = self._compute()
+            self._done = True
+        return self._result
+
+    def _compute(self) -> tuple[int, int] | None:
+        small = self._size <= 2 * self._limit
+        head = _first_bytes(self._head, self._limit)
+        if small and head.lstrip()[:1] == b"[":
+            # llama.cpp answers several prompts with a list, one usage each: sum them.
+            try:
+                return usage_from(json.loads(b"".join(self._head + self._tail)))
+            except (ValueError, UnicodeDecodeError):
+                pass
+        # Chunks are dropped only from the front of _tail while it still holds
+        # ``limit`` bytes, so head + tail always ends with the last ``limit`` bytes.
+        found = _find_usage(_last_bytes(self._head + self._tail, self._limit), backwards=True)
+        if found is None:
+            found = _find_usage(head, backwards=False)
+        if found is None and small:
+            # Odd spelling the search does not read (e.g. "usage" : { across lines).
+            try:
+                found = usage_from(json.loads(b"".join(self._head + self._tail)))
+            except (ValueError, UnicodeDecodeError):
+                pass
+        return found
+
+
+def _first_bytes(chunks: list[bytes], n: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    for chunk in chunks:
+        if size + len(chunk) >= n:
+            parts.append(chunk[: n - size])  # slices the one big chunk, never joins it
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(parts)
+
+
+def _last_bytes(chunks: list[bytes], n: int) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    for chunk in reversed(chunks):
+        if size + len(chunk) >= n:
+            parts.append(chunk[len(chunk) - (n - size) :])
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return b"".join(reversed(parts))
+
+
+def _find_usage(buf: bytes, backwards: bool) -> tuple[int, int] | None:
+    """The first (or last) ``"usage": {...}`` member of ``buf`` that reads as usage."""
+    decoder = json.JSONDecoder()
+    pos = buf.rfind(_USAGE_KEY) if backwards else buf.find(_USAGE_KEY)
+    while pos >= 0:
+        i = pos + len(_USAGE_KEY)
+        while i < len(buf) and buf[i] in b" \t\r\n":
+            i += 1
+        # Followed by ':' it is a key; inside a JSON string the quotes would be escaped.
+        if i < len(buf) and buf[i] == 0x3A:
+            i += 1
+            while i < len(buf) and buf[i] in b" \t\r\n":
+                i += 1
+            if i < len(buf) and buf[i] == 0x7B:
+                try:
+                    # A usage object is a few hundred bytes: decode no more than 4 KiB.
+                    text = buf[i : i + 4096].decode("utf-8", "replace")
+                    usage, _ = decoder.raw_decode(text)
+                except ValueError:
+                    usage = None
+                found = usage_from({"usage": usage})
+                if found is not None:
+                    return found
+        pos = buf.rfind(_USAGE_KEY, 0, pos) if backwards else buf.find(_USAGE_KEY, pos + 1)
+    return None

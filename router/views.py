@@ -1,0 +1,81 @@
+"""Console page for API keys (thin: parsing here, decisions in router.keys)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
+
+from nodes.views import operator_required
+from router import keys
+from router.models import SCOPES, ApiKey
+
+DEFAULT_SCOPES = ["chat", "completions", "embeddings", "rerank"]
+
+
+class KeyForm(forms.Form):
+    """The create form; limits left empty mean no limit."""
+
+    name = forms.CharField(max_length=100)
+    scopes = forms.MultipleChoiceField(
+        choices=[(s, s) for s in SCOPES], widget=forms.CheckboxSelectMultiple
+    )
+    models = forms.CharField(
+        required=False, help_text="Served names, comma-separated; empty allows every model"
+    )
+    expires_at = forms.DateTimeField(
+        required=False,
+        widget=forms.DateTimeInput(attrs={"type": "datetime-local"}),
+        help_text="UTC",
+    )
+    rpm_limit = forms.IntegerField(required=False, min_value=1, label="Requests per minute")
+    tpm_limit = forms.IntegerField(required=False, min_value=1, label="Tokens per minute")
+    concurrency_limit = forms.IntegerField(required=False, min_value=1, label="Concurrent requests")
+
+    def key_arguments(self) -> dict[str, Any]:
+        data = self.cleaned_data
+        return {
+            "name": data["name"],
+            "scopes": data["scopes"],
+            "model_allowlist": [m for m in data["models"].split(",") if m.strip()],
+            "expires_at": data["expires_at"],
+            "rpm_limit": data["rpm_limit"],
+            "tpm_limit": data["tpm_limit"],
+            "concurrency_limit": data["concurrency_limit"],
+        }
+
+
+@operator_required
+def keys_page(request: HttpRequest) -> HttpResponse:
+    """List keys; a POST creates one and shows its plaintext in this response only."""
+    context: dict[str, Any] = {}
+    if request.method == "POST":
+        form = KeyForm(request.POST)
+        if form.is_valid():
+            try:
+                row, plaintext = keys.create_key(**form.key_arguments())
+            except keys.KeyError_ as exc:
+                form.add_error(None, str(exc))
+            else:
+                context["created"] = {"row": row, "key": plaintext}
+                form = KeyForm(initial={"scopes": DEFAULT_SCOPES})
+    elif request.method == "GET":
+        form = KeyForm(initial={"scopes": DEFAULT_SCOPES})
+    else:
+        return HttpResponseNotAllowed(["GET", "POST"])
+    context["form"] = form
+    context["keys"] = list(ApiKey.objects.all())
+    return render(request, "console/keys.html", context)
+
+
+@operator_required
+@require_POST
+def revoke_key(request: HttpRequest, key_id: int) -> HttpResponse:
+    try:
+        keys.revoke_key(key_id)
+    except keys.KeyNotFound as exc:
+        return HttpResponse(str(exc), status=404, content_type="text/plain")
+    return redirect("keys")

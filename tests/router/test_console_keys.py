@@ -1,0 +1,70 @@
+"""The console's keys page: operators only, the new key shown once, revoke by POST."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import AbstractUser
+from django.test import Client
+
+from router import keys
+from router.models import ApiKey
+
+pytestmark = pytest.mark.django_db
+
+
+def _logged_in(user: AbstractUser) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def test_needs_an_operator_login(viewer: AbstractUser) -> None:
+    for client in (Client(), _logged_in(viewer)):
+        response = client.get("/keys/")
+        assert response.status_code == 302 and response["Location"].startswith("/login/")
+        assert client.post("/keys/", {"name": "x", "scopes": ["chat"]}).status_code == 302
+    assert not ApiKey.objects.exists()
+
+
+def test_create_shows_the_key_once(operator: AbstractUser) -> None:
+    client = _logged_in(operator)
+    page = client.get("/keys/")
+    assert page.status_code == 200 and b"No keys yet" in page.content
+    created = client.post(
+        "/keys/",
+        {"name": "webapp", "scopes": ["chat", "embeddings"], "models": "m1, m2",
+         "expires_at": "2030-01-01T12:00", "rpm_limit": "60", "tpm_limit": "",
+         "concurrency_limit": "3"},
+    )  # fmt: skip
+    assert created.status_code == 200
+    row = ApiKey.objects.get()
+    plaintext = created.context["created"]["key"]
+    assert plaintext.startswith("mbd-") and plaintext.encode() in created.content
+    assert keys.hash_key(plaintext) == row.key_hash
+    assert row.scopes == ["chat", "embeddings"] and row.model_allowlist == ["m1", "m2"]
+    assert (row.rpm_limit, row.tpm_limit, row.concurrency_limit) == (60, None, 3)
+    assert row.expires_at is not None and row.expires_at.isoformat() == "2030-01-01T12:00:00+00:00"
+    listed = client.get("/keys/")
+    assert plaintext.encode() not in listed.content
+    assert row.prefix.encode() in listed.content and b"60 req/min" in listed.content
+
+
+def test_invalid_form_creates_nothing(operator: AbstractUser) -> None:
+    client = _logged_in(operator)
+    response = client.post("/keys/", {"name": "x", "scopes": ["chat"], "rpm_limit": "0"})
+    assert response.status_code == 200 and b"Requests per minute:" in response.content
+    response = client.post("/keys/", {"name": "x"})
+    assert b"This field is required" in response.content
+    assert not ApiKey.objects.exists()
+
+
+def test_revoke_by_post(operator: AbstractUser) -> None:
+    row, _ = keys.create_key(name="old", scopes=["chat"])
+    client = _logged_in(operator)
+    assert client.get(f"/keys/{row.pk}/revoke/").status_code == 405
+    response = client.post(f"/keys/{row.pk}/revoke/")
+    assert response.status_code == 302 and response["Location"] == "/keys/"
+    row.refresh_from_db()
+    assert row.revoked_at is not None
+    assert b"revoked" in client.get("/keys/").content
+    assert client.post("/keys/99999/revoke/").status_code == 404

@@ -1,0 +1,301 @@
+"""Per-key limits against a real Redis: shared across limiters, crash-safe, failing open."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from django.conf import settings
+
+from router import limits
+from router.errors import V1Error
+from router.keys import KeyInfo
+from router.limits import Limiter, Ticket
+
+MINUTE = 29_000_000  # some minute of the Unix time
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingRedis(aioredis.Redis):
+    """A client that counts every command and pipeline it is asked for."""
+
+    calls = 0
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        self.calls += 1
+        return await super().execute_command(*args, **options)
+
+    def pipeline(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return super().pipeline(*args, **kwargs)
+
+
+def _key(**limits: int) -> KeyInfo:
+    # A fresh id per test, so runs never share counters.
+    return KeyInfo(
+        id=10**9 + secrets.randbelow(10**9),
+        prefix="mbd-test",
+        scopes=frozenset({"chat"}),
+        model_allowlist=frozenset(),
+        expires_at=None,
+        **limits,
+    )
+
+
+@pytest.fixture
+async def clients() -> AsyncIterator[list[aioredis.Redis]]:
+    """Two separate connections to the test Redis, as two web processes would have."""
+    made = [aioredis.Redis.from_url(settings.MIRBAD.redis_url) for _ in range(2)]
+    yield made
+    async for name in made[0].scan_iter("mirbad:rl:*"):
+        await made[0].delete(name)
+    for client in made:
+        await client.aclose()
+
+
+async def _refused(limiter: Limiter, key: KeyInfo) -> V1Error:
+    with pytest.raises(V1Error) as info:
+        await limiter.admit(key)
+    assert info.value.status == 429 and info.value.code == "rate_limited"
+    return info.value
+
+
+async def test_unlimited_key_makes_no_redis_call() -> None:
+    # Port 1: any command would fail, and the counter shows none was even tried.
+    client = CountingRedis(host="127.0.0.1", port=1)
+    limiter = Limiter(redis=client)
+    key = _key()
+    for _ in range(100):
+        ticket = await limiter.admit(key)
+        await limiter.release(ticket, tokens=1000)
+    assert client.calls == 0
+    # Only an RPM limit: admit is one script call, release needs no round trip.
+    live = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    try:
+        limited = Limiter(redis=live)
+        key = _key(rpm_limit=10)
+        await limited.admit(key)  # the first call may load the script into Redis
+        live.calls = 0
+        ticket = await limited.admit(key)
+        assert live.calls == 1
+        await limited.release(ticket, tokens=5)
+        assert live.calls == 1
+    finally:
+        await live.aclose()
+
+
+async def test_rpm_holds_across_two_limiters(clients: list[aioredis.Redis]) -> None:
+    clock = Clock(MINUTE * 60 + 10.5)
+    limiters = [Limiter(redis=c, clock=clock) for c in clients]
+    key = _key(rpm_limit=5)
+    results = await asyncio.gather(
+        *(limiters[i % 2].admit(key) for i in range(12)), return_exceptions=True
+    )
+    admitted = [r for r in results if isinstance(r, Ticket)]
+    refused = [r for r in results if isinstance(r, V1Error)]
+    assert len(admitted) == 5 and len(refused) == 7
+    for error in refused:
+        assert error.status == 429 and error.code == "rate_limited"
+        assert error.retry_after == 50  # to the end of the minute
+        assert "5 requests per minute" in error.message and "50 s" in error.message
+        assert (b"retry-after", b"50") in error.headers()
+    # Refusals consumed nothing: the window holds exactly the admitted requests.
+    assert int(await clients[0].get(f"mirbad:rl:{{{key.id}}}:rpm:{MINUTE}")) == 5
+    assert await clients[0].ttl(f"mirbad:rl:{{{key.id}}}:rpm:{MINUTE}") <= 120
+
+    clock.now = MINUTE * 60 + 59.9
+    assert (await _refused(limiters[1], key)).retry_after == 1  # never 0
+    clock.now = (MINUTE + 1) * 60  # the next window
+    for i in range(5):
+        await limiters[i % 2].admit(key)
+    await _refused(limiters[0], key)
+
+
+async def test_tpm_refuses_once_released_tokens_reach_the_limit(
+    clients: list[aioredis.Redis],
+) -> None:
+    clock = Clock(MINUTE * 60 + 30)
+    a, b = (Limiter(redis=c, clock=clock) for c in clients)
+    key = _key(tpm_limit=100)
+    ticket = await a.admit(key)
+    await a.release(ticket, tokens=60)
+    ticket = await b.admit(key)  # 60 < 100
+    await b.release(ticket, tokens=50)
+    error = await _refused(a, key)
+    assert error.retry_after == 30
+    assert "100 tokens per minute" in error.message and "110 used" in error.message
+    clock.now = (MINUTE + 1) * 60 + 1
+    await b.release(await b.admit(key), tokens=0)
+
+
+async def test_concurrency_limit(clients: list[aioredis.Redis]) -> None:
+    limiter = Limiter(redis=clients[0])
+    other = Limiter(redis=clients[1])
+    key = _key(concurrency_limit=2)
+    results = await asyncio.gather(
+        limiter.admit(key), other.admit(key), limiter.admit(key), return_exceptions=True
+    )
+    tickets = [r for r in results if isinstance(r, Ticket)]
+    errors = [r for r in results if isinstance(r, V1Error)]
+    assert len(tickets) == 2 and len(errors) == 1
+    assert errors[0].retry_after == 1 and "2 requests at once" in errors[0].message
+    await limiter.release(tickets[0], tokens=0)  # any process may release a ticket
+    third = await other.admit(key)
+    await _refused(limiter, key)
+    for ticket in (tickets[1], third):
+        await limiter.release(ticket, tokens=0)
+    assert await clients[0].zcard(f"mirbad:rl:{{{key.id}}}:conc") == 0
+
+
+async def test_double_release_is_harmless(clients: list[aioredis.Redis]) -> None:
+    clock = Clock(MINUTE * 60)
+    limiter = Limiter(redis=clients[0], clock=clock)
+    key = _key(concurrency_limit=1, tpm_limit=1000)
+    ticket = await limiter.admit(key)
+    await limiter.release(ticket, tokens=10)
+    await limiter.release(ticket, tokens=10)
+    assert ticket.released
+    assert int(await clients[0].get(f"mirbad:rl:{{{key.id}}}:tpm:{MINUTE}")) == 10
+    holder = await limiter.admit(key)
+    await limiter.release(ticket, tokens=10)  # must not free the new holder's slot
+    await _refused(Limiter(redis=clients[1], clock=clock), key)
+    await limiter.release(holder, tokens=0)
+
+
+async def test_a_dead_process_frees_its_slots_when_the_lease_ends(
+    clients: list[aioredis.Redis],
+) -> None:
+    clock = Clock(MINUTE * 60)
+    dying = Limiter(redis=clients[0], clock=clock, lease_seconds=600)
+    survivor = Limiter(redis=clients[1], clock=clock, lease_seconds=600)
+    key = _key(concurrency_limit=1)
+    await dying.admit(key)  # the process "dies": no release ever comes
+    await _refused(survivor, key)
+    clock.now += 601
+    await survivor.release(await survivor.admit(key), tokens=0)
+
+    # A live process renews the lease of a long request, so its slot holds.
+    long_request = await survivor.admit(key)
+    clock.now += 500
+    await survivor.refresh()
+    clock.now += 200  # 700 s after admit, 200 s after renewal
+    await _refused(dying, key)
+    await survivor.release(long_request, tokens=0)
+    await survivor.refresh()  # a released ticket is not renewed, nor re-added
+    await dying.release(await dying.admit(key), tokens=0)
+
+
+async def test_background_lease_renewal() -> None:
+    client = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    limiter = Limiter(redis=client, lease_seconds=0.3)
+    key = _key(concurrency_limit=1)
+    try:
+        limiter.start()
+        ticket = await limiter.admit(key)
+        await asyncio.sleep(1.5)  # past the lease and the set's own TTL: alive only if renewed
+        assert await client.zscore(f"mirbad:rl:{{{key.id}}}:conc", ticket.id) is not None
+        await _refused(Limiter(redis=client), key)
+        await limiter.release(ticket, tokens=0)
+        await limiter.stop()
+    finally:
+        await client.delete(f"mirbad:rl:{{{key.id}}}:conc")
+        await client.aclose()
+
+
+async def test_refusals_do_not_consume_rpm(clients: list[aioredis.Redis]) -> None:
+    limiter = Limiter(redis=clients[0], clock=Clock(MINUTE * 60))
+    key = _key(rpm_limit=3, concurrency_limit=1)
+    first = await limiter.admit(key)
+    for _ in range(5):
+        assert "at once" in (await _refused(limiter, key)).message
+    await limiter.release(first, tokens=0)
+    for _ in range(2):
+        await limiter.release(await limiter.admit(key), tokens=0)
+    assert "requests per minute" in (await _refused(limiter, key)).message
+
+
+async def test_redis_down_fails_open_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    client = CountingRedis(host="127.0.0.1", port=1)
+    limiter = Limiter(redis=client)
+    key = _key(rpm_limit=1, tpm_limit=1, concurrency_limit=1)
+    with caplog.at_level(logging.WARNING, logger="mirbad.router.limits"):
+        tickets = [await limiter.admit(key) for _ in range(3)]
+        for ticket in tickets:
+            await limiter.release(ticket, tokens=100)
+    warnings = [r for r in caplog.records if r.name == "mirbad.router.limits"]
+    assert len(warnings) == 1 and "admitted without limits" in warnings[0].getMessage()
+    # After the first error the limiter pauses: the next admits did not wait on Redis.
+    assert client.calls <= 2  # the script call, and the background slot give-back
+    await client.aclose()
+
+
+async def test_hung_redis_is_bounded_by_the_timeout() -> None:
+    """A Redis that accepts but never answers costs at most ``timeout`` per admit."""
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(-1)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = aioredis.Redis(host="127.0.0.1", port=port)
+    limiter = Limiter(redis=client, timeout=0.2)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await limiter.admit(_key(rpm_limit=1))
+    assert loop.time() - started < 1.0
+    await client.aclose()
+    server.close()
+
+
+async def test_a_timed_out_admit_gives_its_slot_back(clients: list[aioredis.Redis]) -> None:
+    """The script ran but its answer came late: the slot it took must not stay held."""
+
+    async def slow_replies(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = clients[0].connection_pool.connection_kwargs["host"], 6379
+        port = clients[0].connection_pool.connection_kwargs.get("port", port)
+        up_reader, up_writer = await asyncio.open_connection(host, port)
+
+        async def forward(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float):
+            while data := await src.read(65536):
+                await asyncio.sleep(delay)
+                dst.write(data)
+                await dst.drain()
+
+        await asyncio.gather(
+            forward(reader, up_writer, 0), forward(up_reader, writer, 0.3),
+            return_exceptions=True,
+        )  # fmt: skip
+
+    server = await asyncio.start_server(slow_replies, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    db = clients[0].connection_pool.connection_kwargs.get("db", 0)
+    slow = aioredis.Redis(host="127.0.0.1", port=port, db=db)
+    limiter = Limiter(redis=slow, timeout=0.1)
+    key = _key(concurrency_limit=1)
+    slots = f"mirbad:rl:{{{key.id}}}:conc"
+    try:
+        await slow.ping()  # connect (and select the db) before the clock matters
+        await clients[0].script_load(limits._ADMIT)  # so the admit is one EVALSHA
+        ticket = await limiter.admit(key)  # times out: fails open
+        assert not ticket.holds_slot
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if await clients[0].zcard(slots) == 0:
+                break
+        assert await clients[0].zcard(slots) == 0
+        await Limiter(redis=clients[1]).admit(key)  # the key is not blocked for a lease
+    finally:
+        await slow.aclose()
+        server.close()
