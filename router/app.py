@@ -33,6 +33,7 @@ from router.usage import UsageMeter
 log = logging.getLogger("mirbad.router")
 
 MAX_BODY = 64 * 1024 * 1024
+SMALL_ANSWER = 1024 * 1024
 ENDPOINT_SCOPES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -329,9 +330,15 @@ class RouterApp:
                     # was sent to the client yet, so another replica may take it.
                     raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
                 ok = 200 <= response.status < 300
+                streamed = "text/event-stream" in response.headers.get("content-type", "")
+                length = response.content_length
+                if not streamed and length is not None and length <= SMALL_ANSWER:
+                    # A whole JSON answer of known small size: one read and one send, no
+                    # pump and watcher tasks (there is nothing to stream incrementally).
+                    prefetched = await response.read()
                 if ok and prepared.dimensions is not None:
                     # Emulated dimensions: the only answer the router rewrites whole.
-                    whole = await response.read()
+                    whole = prefetched if prefetched is not None else await response.read()
                     prefetched = transform.transform_embeddings(prepared, whole)
                 out_headers = [
                     (k.lower().encode("latin-1"), v.encode("latin-1"))
@@ -340,6 +347,7 @@ class RouterApp:
                     and k.lower() != AGENT_ERROR_HEADER
                 ]
                 if prefetched is not None:
+                    out_headers = [h for h in out_headers if h[0] != b"content-length"]
                     out_headers.append((b"content-length", str(len(prefetched)).encode()))
                 overhead += time.perf_counter() - header_start
                 request.overhead = overhead
@@ -355,9 +363,12 @@ class RouterApp:
                 request.ttfb = time.perf_counter() - request.started
                 if prefetched is not None:
                     await send({"type": "http.response.body", "body": prefetched})
-                    return transform.usage_from(_json_or_none(prefetched))
-                streamed = ok and "text/event-stream" in response.headers.get("content-type", "")
-                if streamed:
+                    if not ok:
+                        return None
+                    sniffer = transform.UsageSniffer()
+                    sniffer.feed(prefetched)
+                    return sniffer.usage
+                if ok and streamed:
                     events = transform.StreamFilter(injected_usage=prepared.injected_usage)
                     await _stream(response, receive, send, events.feed, events.close)
                     return events.usage
@@ -442,13 +453,6 @@ def _tee(sniffer: transform.UsageSniffer) -> Callable[[bytes], bytes]:
         return chunk
 
     return feed
-
-
-def _json_or_none(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError:
-        return None
 
 
 async def _stream(
