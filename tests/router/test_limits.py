@@ -1,8 +1,11 @@
-"""Per-key limits against a real Redis: shared across limiters, crash-safe, failing open."""
+"""Per-key limits against a real Redis: shared across limiters, reserved in blocks,
+crash-safe, failing open. Two ``Limiter`` instances with separate connections stand
+for two web processes."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections.abc import AsyncIterator
@@ -65,6 +68,22 @@ async def clients() -> AsyncIterator[list[aioredis.Redis]]:
         await client.aclose()
 
 
+def _leases(key: KeyInfo) -> str:
+    return f"mirbad:rl:{{{key.id}}}:leases"
+
+
+def _slots(key: KeyInfo) -> str:
+    return f"mirbad:rl:{{{key.id}}}:slots"
+
+
+def _rpm(key: KeyInfo, minute: int = MINUTE) -> str:
+    return f"mirbad:rl:{{{key.id}}}:rpm:{minute}"
+
+
+def _tpm(key: KeyInfo, minute: int = MINUTE) -> str:
+    return f"mirbad:rl:{{{key.id}}}:tpm:{minute}"
+
+
 async def _refused(limiter: Limiter, key: KeyInfo) -> V1Error:
     with pytest.raises(V1Error) as info:
         await limiter.admit(key)
@@ -84,7 +103,7 @@ async def test_unlimited_key_makes_no_redis_call() -> None:
     # Only an RPM limit: admit is one script call, release needs no round trip.
     live = CountingRedis.from_url(settings.MIRBAD.redis_url)
     try:
-        limited = Limiter(redis=live)
+        limited = Limiter(redis=live, clock=Clock(MINUTE * 60 + 5))
         key = _key(rpm_limit=10)
         await limited.admit(key)  # the first call may load the script into Redis
         live.calls = 0
@@ -92,7 +111,15 @@ async def test_unlimited_key_makes_no_redis_call() -> None:
         assert live.calls == 1
         await limited.release(ticket, tokens=5)
         assert live.calls == 1
+        # The script said the window is full: a client hammering after a 429 costs nothing.
+        for _ in range(8):
+            await limited.admit(key)
+        assert live.calls == 9  # a small limit: one permit per call, exact
+        for _ in range(5):
+            await _refused(limited, key)
+        assert live.calls == 9
     finally:
+        await live.delete(_rpm(key))
         await live.aclose()
 
 
@@ -112,8 +139,8 @@ async def test_rpm_holds_across_two_limiters(clients: list[aioredis.Redis]) -> N
         assert "5 requests per minute" in error.message and "50 s" in error.message
         assert (b"retry-after", b"50") in error.headers()
     # Refusals consumed nothing: the window holds exactly the admitted requests.
-    assert int(await clients[0].get(f"mirbad:rl:{{{key.id}}}:rpm:{MINUTE}")) == 5
-    assert await clients[0].ttl(f"mirbad:rl:{{{key.id}}}:rpm:{MINUTE}") <= 120
+    assert int(await clients[0].get(_rpm(key))) == 5
+    assert await clients[0].ttl(_rpm(key)) <= 120
 
     clock.now = MINUTE * 60 + 59.9
     assert (await _refused(limiters[1], key)).retry_after == 1  # never 0
@@ -129,15 +156,39 @@ async def test_tpm_refuses_once_released_tokens_reach_the_limit(
     clock = Clock(MINUTE * 60 + 30)
     a, b = (Limiter(redis=c, clock=clock) for c in clients)
     key = _key(tpm_limit=100)
-    ticket = await a.admit(key)
-    await a.release(ticket, tokens=60)
-    ticket = await b.admit(key)  # 60 < 100
+    ticket = await a.admit(key)  # reads the window's count: its first request of the window
+    await a.release(ticket, tokens=60)  # tallied locally
+    ticket = await b.admit(key)  # b does not know a's 60 yet: the documented overshoot
     await b.release(ticket, tokens=50)
-    error = await _refused(a, key)
+    await a.refresh()  # the background round sends the tallies (60, then 110 in all)
+    await b.refresh()
+    error = await _refused(b, key)
     assert error.retry_after == 30
     assert "100 tokens per minute" in error.message and "110 used" in error.message
+    await a.refresh()  # a's next round reads what b sent
+    assert "110 used" in (await _refused(a, key)).message
+    assert int(await clients[0].get(_tpm(key))) == 110
     clock.now = (MINUTE + 1) * 60 + 1
     await b.release(await b.admit(key), tokens=0)
+
+
+async def test_tpm_tally_refuses_locally_and_rides_on_block_fetches() -> None:
+    client = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    limiter = Limiter(redis=client, clock=Clock(MINUTE * 60 + 5))
+    key = _key(tpm_limit=100)
+    rpm_key = _key(rpm_limit=10, tpm_limit=10**6)
+    try:
+        await limiter.release(await limiter.admit(key), tokens=150)
+        calls = client.calls
+        error = await _refused(limiter, key)  # 150 unsent tokens are enough to know
+        assert "150 used" in error.message and client.calls == calls
+        # A key with a small RPM limit calls the script per admit: tokens go with it.
+        await limiter.release(await limiter.admit(rpm_key), tokens=7)
+        await limiter.admit(rpm_key)
+        assert int(await client.get(_tpm(rpm_key))) == 7
+    finally:
+        await client.delete(_tpm(key), _tpm(rpm_key), _rpm(rpm_key))
+        await client.aclose()
 
 
 async def test_concurrency_limit(clients: list[aioredis.Redis]) -> None:
@@ -151,12 +202,18 @@ async def test_concurrency_limit(clients: list[aioredis.Redis]) -> None:
     errors = [r for r in results if isinstance(r, V1Error)]
     assert len(tickets) == 2 and len(errors) == 1
     assert errors[0].retry_after == 1 and "2 requests at once" in errors[0].message
-    await limiter.release(tickets[0], tokens=0)  # any process may release a ticket
+    # Any limiter may release a ticket: it goes back to the books that admitted it.
+    await limiter.release(tickets[0], tokens=0)
+    for each in (limiter, other):
+        await each.refresh()  # the freed slot is given back in the background
     third = await other.admit(key)
     await _refused(limiter, key)
     for ticket in (tickets[1], third):
         await limiter.release(ticket, tokens=0)
-    assert await clients[0].zcard(f"mirbad:rl:{{{key.id}}}:conc") == 0
+    for each in (limiter, other):
+        await each.refresh()
+    assert await clients[0].zcard(_leases(key)) == 0
+    assert await clients[0].hlen(_slots(key)) == 0
 
 
 async def test_double_release_is_harmless(clients: list[aioredis.Redis]) -> None:
@@ -167,11 +224,15 @@ async def test_double_release_is_harmless(clients: list[aioredis.Redis]) -> None
     await limiter.release(ticket, tokens=10)
     await limiter.release(ticket, tokens=10)
     assert ticket.released
-    assert int(await clients[0].get(f"mirbad:rl:{{{key.id}}}:tpm:{MINUTE}")) == 10
+    await limiter.refresh()
+    assert int(await clients[0].get(_tpm(key))) == 10
     holder = await limiter.admit(key)
     await limiter.release(ticket, tokens=10)  # must not free the new holder's slot
+    await limiter.refresh()
     await _refused(Limiter(redis=clients[1], clock=clock), key)
     await limiter.release(holder, tokens=0)
+    await limiter.refresh()
+    assert int(await clients[0].get(_tpm(key))) == 10
 
 
 async def test_a_dead_process_frees_its_slots_when_the_lease_ends(
@@ -205,12 +266,14 @@ async def test_background_lease_renewal() -> None:
         limiter.start()
         ticket = await limiter.admit(key)
         await asyncio.sleep(1.5)  # past the lease and the set's own TTL: alive only if renewed
-        assert await client.zscore(f"mirbad:rl:{{{key.id}}}:conc", ticket.id) is not None
+        assert await client.zscore(_leases(key), limiter.lease_id) is not None
+        assert int(await client.hget(_slots(key), limiter.lease_id)) == 1
         await _refused(Limiter(redis=client), key)
         await limiter.release(ticket, tokens=0)
         await limiter.stop()
+        assert await client.zcard(_leases(key)) == 0
     finally:
-        await client.delete(f"mirbad:rl:{{{key.id}}}:conc")
+        await client.delete(_leases(key), _slots(key))
         await client.aclose()
 
 
@@ -284,10 +347,10 @@ async def test_a_timed_out_admit_gives_its_slot_back(clients: list[aioredis.Redi
     slow = aioredis.Redis(host="127.0.0.1", port=port, db=db)
     limiter = Limiter(redis=slow, timeout=0.1)
     key = _key(concurrency_limit=1)
-    slots = f"mirbad:rl:{{{key.id}}}:conc"
+    slots = _leases(key)
     try:
         await slow.ping()  # connect (and select the db) before the clock matters
-        await clients[0].script_load(limits._ADMIT)  # so the admit is one EVALSHA
+        await clients[0].script_load(limits._SYNC)  # so the admit is one EVALSHA
         ticket = await limiter.admit(key)  # times out: fails open
         assert not ticket.holds_slot
         for _ in range(50):
@@ -299,3 +362,153 @@ async def test_a_timed_out_admit_gives_its_slot_back(clients: list[aioredis.Redi
     finally:
         await slow.aclose()
         server.close()
+
+
+async def _admit_all(limiter: Limiter, key: KeyInfo, n: int) -> list[Ticket]:
+    """``n`` admits at once; the tickets of those admitted."""
+    results = await asyncio.gather(*(limiter.admit(key) for _ in range(n)), return_exceptions=True)
+    for result in results:
+        assert isinstance(result, Ticket | V1Error), result
+    return [r for r in results if isinstance(r, Ticket)]
+
+
+@pytest.mark.parametrize("limit", [100, 1000])
+async def test_two_processes_admit_exactly_the_limit(
+    clients: list[aioredis.Redis], limit: int
+) -> None:
+    """Blocks never reserve past the limit, and a process spends its block before 429s."""
+    clock = Clock(MINUTE * 60 + 1)
+    limiters = [Limiter(redis=c, clock=clock) for c in clients]
+    key = _key(rpm_limit=limit)
+    admitted = 0
+    for i in range(limit + limit // 10):  # one at a time, alternating: blocks grow
+        with contextlib.suppress(V1Error):
+            await limiters[i % 2].admit(key)
+            admitted += 1
+    assert admitted == limit
+    assert int(await clients[0].get(_rpm(key))) == limit
+    # The same with bursts: all waiting admits of a process share one call.
+    key = _key(rpm_limit=limit)
+    bursts = await asyncio.gather(*(_admit_all(lim, key, limit) for lim in limiters))
+    assert sum(len(b) for b in bursts) == limit
+
+
+async def test_a_big_limit_makes_few_redis_calls() -> None:
+    client = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    clock = Clock(MINUTE * 60 + 1)
+    limiter = Limiter(redis=client, clock=clock)
+    key = _key(rpm_limit=10**6, tpm_limit=10**9, concurrency_limit=10**4)
+    try:
+        for _ in range(1000):
+            await limiter.release(await limiter.admit(key), tokens=3)
+
+        async def one() -> None:
+            for _ in range(50):
+                ticket = await limiter.admit(key)
+                await asyncio.sleep(0)
+                await limiter.release(ticket, tokens=3)
+
+        await asyncio.gather(*(one() for _ in range(32)))
+        assert client.calls <= (1000 + 32 * 50) // 50, client.calls
+        await limiter.refresh()
+        assert int(await client.get(_tpm(key))) == 3 * (1000 + 32 * 50)
+        reserved = int(await client.get(_rpm(key)))
+        assert 1000 + 32 * 50 <= reserved <= 1000 + 32 * 50 + limits.MAX_RPM_BLOCK
+        await limiter.stop()
+        assert int(await client.get(_rpm(key))) == 1000 + 32 * 50  # unused ones given back
+        assert await client.zcard(_leases(key)) == 0
+    finally:
+        await client.delete(_rpm(key), _tpm(key), _leases(key), _slots(key))
+        await client.aclose()
+
+
+async def test_release_never_waits_for_redis() -> None:
+    client = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    limiter = Limiter(redis=client, clock=Clock(MINUTE * 60 + 1))
+    key = _key(rpm_limit=5, tpm_limit=1000, concurrency_limit=1)
+    try:
+        ticket = await limiter.admit(key)
+        calls = client.calls
+        await limiter.release(ticket, tokens=12)  # the slot goes back, in the background
+        assert client.calls == calls
+        await limiter.refresh()
+        assert await client.zcard(_leases(key)) == 0
+        assert int(await client.get(_tpm(key))) == 12
+    finally:
+        await client.delete(_rpm(key), _tpm(key), _leases(key), _slots(key))
+        await client.aclose()
+
+
+async def test_idle_slots_go_back_for_other_processes(clients: list[aioredis.Redis]) -> None:
+    a, b = (Limiter(redis=c) for c in clients)
+    key = _key(concurrency_limit=1000)  # blocks of 10: a process may keep 9 idle
+    first = await _admit_all(a, key, 1000)
+    assert len(first) == 1000
+    await _refused(b, key)
+    for ticket in first:
+        await a.release(ticket, tokens=0)
+    await a.refresh()  # what is over two blocks idle went back at once
+    assert int(await clients[0].hget(_slots(key), a.lease_id)) == 9
+    second = await _admit_all(b, key, 991)
+    assert len(second) == 991
+    await _refused(b, key)
+    await a.refresh()  # a round with no request on a: its idle slots go back too
+    assert await clients[0].hget(_slots(key), a.lease_id) is None
+    second += await _admit_all(b, key, 9)
+    assert len(second) == 1000
+    await _refused(b, key)
+    for ticket in second:
+        await b.release(ticket, tokens=0)
+    await b.stop()
+    assert await clients[0].zcard(_leases(key)) == 0
+
+
+async def test_stop_gives_back_everything(clients: list[aioredis.Redis]) -> None:
+    clock = Clock(MINUTE * 60 + 1)
+    limiter = Limiter(redis=clients[0], clock=clock)
+    key = _key(rpm_limit=10_000, tpm_limit=10**6, concurrency_limit=1000)
+    limiter.start()
+    for _ in range(300):
+        await limiter.release(await limiter.admit(key), tokens=3)
+    running = await _admit_all(limiter, key, 5)
+    assert int(await clients[0].get(_rpm(key))) > 305  # blocks: reserved ahead
+    await limiter.stop()
+    assert int(await clients[0].get(_rpm(key))) == 305
+    assert int(await clients[0].get(_tpm(key))) == 900
+    assert await clients[0].zcard(_leases(key)) == 0
+    assert await clients[0].hlen(_slots(key)) == 0
+    other = Limiter(redis=clients[1], clock=clock)
+    assert len(await _admit_all(other, key, 1000)) == 1000  # nothing left held
+    for ticket in running:  # requests that outlived stop(): harmless, nothing to free
+        await limiter.release(ticket, tokens=0)
+    assert await clients[0].hlen(_slots(key)) == 1
+
+
+async def test_many_requests_at_once_on_a_small_concurrency_limit() -> None:
+    """Slots handed back and forth between the requests of one process: give-backs that
+    find the slot taken again send nothing, and no admit spins on a finished call."""
+    client = CountingRedis.from_url(settings.MIRBAD.redis_url)
+    limiter = Limiter(redis=client, clock=Clock(MINUTE * 60 + 1))
+    key = _key(rpm_limit=60_000, concurrency_limit=50)
+    peak = in_flight = 0
+
+    async def one() -> None:
+        nonlocal peak, in_flight
+        for _ in range(30):
+            ticket = await limiter.admit(key)
+            in_flight += 1
+            peak = max(peak, in_flight)
+            await asyncio.sleep(0)
+            in_flight -= 1
+            await limiter.release(ticket, tokens=0)
+
+    try:
+        async with asyncio.timeout(20):
+            await asyncio.gather(*(one() for _ in range(32)))
+        assert peak == 32
+        assert client.calls <= 32 * 30 // 10, client.calls  # slots are reused, not re-asked
+        await limiter.stop()
+        assert await client.zcard(_leases(key)) == 0
+    finally:
+        await client.delete(_rpm(key), _leases(key), _slots(key))
+        await client.aclose()
