@@ -20,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from asgiref.sync import sync_to_async
+from yarl import URL
 
 from nodes import status_cache
 from nodes.services import node_ssl_context
@@ -91,6 +92,7 @@ class RouterApp:
         self._session: aiohttp.ClientSession | None = None
         self.listener = Listener(apply=self.table.invalidate)
         self._contexts: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._urls: dict[tuple[str, str, str], URL] = {}
         self.meter = UsageMeter()
         self._limiters: dict[int, Limiter] = {}
 
@@ -113,6 +115,21 @@ class RouterApp:
                 self._contexts.clear()
             self._contexts[cache_key] = context
         return context
+
+    def _url(self, address: str, instance_id: str, path: str, query: bytes | None) -> URL:
+        """The agent proxy URL, parsed once per (node, instance, endpoint): yarl is not free."""
+        if query:
+            text = f"{address.rstrip('/')}/agent/v1/proxy/{instance_id}{path}"
+            return URL(text + "?" + query.decode("latin-1"))
+        cache_key = (address, instance_id, path)
+        url = self._urls.get(cache_key)
+        if url is None:
+            if len(self._urls) > 10_000:
+                self._urls.clear()
+            url = self._urls[cache_key] = URL(
+                f"{address.rstrip('/')}/agent/v1/proxy/{instance_id}{path}"
+            )
+        return url
 
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -298,9 +315,7 @@ class RouterApp:
         node = replica.node
         name = request.model
         context = await self._ssl_context(node)
-        url = f"{node.address.rstrip('/')}/agent/v1/proxy/{replica.instance_id}{scope['path']}"
-        if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
+        url = self._url(node.address, replica.instance_id, scope["path"], scope.get("query_string"))
         forward = {
             k.decode("latin-1"): v.decode("latin-1")
             for k, v in headers.items()

@@ -6,6 +6,8 @@ couple of seconds per process), liveness from the Redis status cache.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from router import errors, keys
 
 # Changes arrive through router.invalidation within milliseconds; the TTLs only
 # bound how long a lost message can leave an entry wrong.
+log = logging.getLogger("mirbad.router")
+
 ROUTE_TTL = 10.0
 KEY_TTL = 10.0
 STATUS_TTL = 1.0
@@ -46,6 +50,7 @@ class RoutingTable:
         self._routes: dict[str, tuple[float, Route | None]] = {}
         self._keys: dict[str, tuple[float, keys.KeyInfo | None]] = {}
         self._statuses: dict[str, tuple[float, dict | None]] = {}
+        self._status_reads: dict[str, asyncio.Future[dict | None]] = {}
         self.in_flight: dict[str, int] = {}
 
     def invalidate(self, message: dict) -> None:
@@ -102,13 +107,36 @@ class RoutingTable:
         return ready
 
     async def status(self, node_id: str) -> dict | None:
-        """A node's status, cached briefly here and dropped when the monitor reports a change."""
+        """A node's status, cached briefly here and dropped when the monitor reports a change.
+
+        One read per node at a time: when the entry expires under load, hundreds of
+        requests miss together, and a read each would exhaust Redis's connection
+        pool (measured at c=256). They all wait on the one read instead.
+        """
         now = time.monotonic()
         hit = self._statuses.get(node_id)
         if hit is not None and hit[0] > now:
             return hit[1]
-        status = await status_cache.aread(node_id)
-        self._statuses[node_id] = (now + STATUS_TTL, status)  # type: ignore[assignment]
+        pending = self._status_reads.get(node_id)
+        if pending is None:
+            pending = asyncio.ensure_future(self._read_status(node_id, hit))
+            self._status_reads[node_id] = pending
+            pending.add_done_callback(lambda _: self._status_reads.pop(node_id, None))
+        return await asyncio.shield(pending)
+
+    async def _read_status(
+        self, node_id: str, previous: tuple[float, dict | None] | None
+    ) -> dict | None:
+        try:
+            status = await status_cache.aread(node_id)
+        except Exception as exc:  # Redis away: the last known status, briefly, else 503
+            if previous is not None:
+                log.warning("Node status of %s unreadable (%s); using the last one", node_id, exc)
+                return previous[1]
+            raise errors.V1Error(
+                503, "server_busy", "Node statuses cannot be read right now.", retry_after=5
+            ) from exc
+        self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
         return status  # type: ignore[return-value]
 
     async def _ready(self, route: Route) -> list[Replica]:
