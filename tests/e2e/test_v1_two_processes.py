@@ -1,0 +1,88 @@
+"""Two real web processes share one key's limits: 6 RPM means 6 in total, not 12."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agent import write_tiny_gguf
+from tests.e2e.conftest import ROOT, free_port, llama_server_or_fail, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def test_rpm_holds_across_two_router_processes(make_stack, tmp_path: Path) -> None:
+    llama_server_or_fail()
+    stack = make_stack(embedded=False)
+    subprocess.run(
+        [
+            sys.executable, "-m", "agent", "install-llama-server",
+            "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
+        ],
+        cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    facts = stack.start()
+    api = httpx.Client(
+        base_url=stack.url, headers={"Authorization": f"Bearer {facts['API key']}"}, timeout=60
+    )
+    created = api.post(
+        "/api/models",
+        json={
+            "servedName": "tiny",
+            "sourceFolder": "tiny",
+            "sourceFile": "tiny.gguf",
+            "settings": {"context_size": 256, "gpu_layers": 0},
+            "node": "local",
+        },
+    ).json()
+    assert api.post(f"/api/models/{created['id']}/start").status_code == 202
+    wait_for(
+        lambda: api.get(f"/api/models/{created['id']}").json()["state"] == "Ready", 60, "Ready"
+    )
+    key = api.post("/api/keys", json={"name": "six", "scopes": ["chat"], "rpmLimit": 6}).json()
+
+    # A second web process of the same master: same data, database and Redis.
+    port = free_port()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
+         "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
+        cwd=ROOT, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        urls = [stack.url, f"http://127.0.0.1:{port}"]
+        wait_for(lambda: _up(urls[1]), 30, "the second web process")
+        # Limits count calendar minutes: start early in one, so all 20 land in it.
+        while time.time() % 60 > 40:
+            time.sleep(0.5)
+        codes: list[int] = []
+        for i in range(20):
+            response = httpx.post(
+                f"{urls[i % 2]}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {key['key']}"},
+                json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
+                      "max_tokens": 1},
+                timeout=30,
+            )  # fmt: skip
+            codes.append(response.status_code)
+            if response.status_code == 429:
+                assert 1 <= int(response.headers["retry-after"]) <= 60
+        assert codes.count(200) == 6, codes
+        assert codes.count(429) == 14, codes
+        # Both processes answered some of the six, so neither counted alone.
+        assert 200 in codes[0::2] and 200 in codes[1::2], codes
+    finally:
+        second.terminate()
+        second.wait(timeout=30)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
