@@ -650,8 +650,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--hop-loop",
         choices=("asyncio", "uvloop"),
-        default="asyncio",
-        help="event loop of the two bare hops (default asyncio, as the agent)",
+        default="uvloop",
+        help="event loop of the two bare hops (default uvloop, as uvicorn and the agent)",
     )
     parser.add_argument(
         "--external-services",
