@@ -370,6 +370,9 @@ class AgentServer:
         paths = [self.config.models_root_path, self.config.state_directory]
         return {
             "time": utc_now_iso(),
+            # The accepted master, again: a "fencing" event sent before a new monitor's
+            # event stream was open would otherwise be missed until it reconnects.
+            "fencing": self.fencing.to_json(),
             "memory": memory(),
             "disks": disks(paths),
             **self.runtime.gpus.heartbeat(),

@@ -292,6 +292,10 @@ class NodeWorker:
             for key in ("memory", "disks", "gpus", "weights"):
                 if key in data:
                     telemetry[key] = data[key]
+            if "fencing" in data and data["fencing"] != self.agent_fencing:
+                self.agent_fencing = data["fencing"]
+                self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
+                await self.recompute()
             if "downloads" in data:
                 self.status["downloads"] = {  # type: ignore[typeddict-unknown-key]
                     d["folder"]: d

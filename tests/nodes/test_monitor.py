@@ -129,3 +129,22 @@ async def test_revoked_node_is_refused_on_its_next_connection(enrolled: Enrolled
             await again.connect()
     finally:
         await again.client.aclose()
+
+
+async def test_a_missed_fencing_event_is_caught_up_by_the_next_heartbeat(
+    enrolled: Enrolled,
+) -> None:
+    """The agent accepted a new master while no event stream was open (a monitor takeover)."""
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        accepted = {"epoch": 7, "instanceId": "other-master", "bootId": "b2"}
+        # What /info said before the agent moved on:
+        worker.agent_fencing = {"epoch": 6, "instanceId": "old", "bootId": "b1"}
+        heartbeat = {**enrolled.server._heartbeat_data(), "fencing": accepted}
+        assert "fencing" in enrolled.server._heartbeat_data()  # the agent really sends it
+        await worker.handle_event("heartbeat", heartbeat)
+        cached = await status_cache.aread("n1")
+        assert cached is not None and cached["fencing"] == accepted
+    finally:
+        await worker.client.aclose()
