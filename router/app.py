@@ -76,6 +76,7 @@ class _Request:
     error_code: str | None = None
     ttfb: float | None = None
     overhead: float | None = None
+    usage: tuple[int, int] | None = None
 
 
 class _TooLarge(Exception):
@@ -245,10 +246,10 @@ class RouterApp:
             raise errors.model_not_ready(name)
         finally:
             metrics.dec_in_flight(name)
-            prompt, completion = usage or (0, 0)
+            prompt, completion = usage or request.usage or (0, 0)
             await self.limiter().release(ticket, tokens=prompt + completion)
             self.meter.record(key, name, prompt_tokens=prompt, completion_tokens=completion)
-            if usage:
+            if usage or request.usage:
                 metrics.add_tokens(name, key.prefix, prompt, completion)
 
     async def _metrics(self, send: Send, key: Any) -> None:
@@ -385,10 +386,27 @@ class RouterApp:
                     return sniffer.usage
                 if ok and streamed:
                     events = transform.StreamFilter(injected_usage=prepared.injected_usage)
-                    await _stream(response, receive, send, events.feed, events.close)
+                    sent_done = False
+
+                    def feed(chunk: bytes) -> bytes:
+                        nonlocal sent_done
+                        out = events.feed(chunk)
+                        if b"[DONE]" in out:
+                            sent_done = True
+                        return out
+
+                    try:
+                        await _stream(
+                            response, receive, send, feed, events.close, lambda: sent_done
+                        )
+                    finally:
+                        request.usage = events.usage  # tokens were spent even if it left
                     return events.usage
                 sniffer = transform.UsageSniffer()
-                await _stream(response, receive, send, _tee(sniffer), None)
+                try:
+                    await _stream(response, receive, send, _tee(sniffer), None)
+                finally:
+                    request.usage = sniffer.usage
                 return sniffer.usage
         finally:
             table.in_flight[replica.instance_id] -= 1
@@ -476,6 +494,7 @@ async def _stream(
     send: Send,
     feed: Callable[[bytes], bytes],
     close: Callable[[], bytes] | None,
+    finished: Callable[[], bool] | None = None,
 ) -> None:
     """Forward each chunk as it arrives; a client that goes away cancels the upstream.
 
@@ -508,6 +527,10 @@ async def _stream(
             if isinstance(exc, aiohttp.ClientPayloadError):
                 # The upstream aborted mid-stream: end ours the same way.
                 raise _ClientGone from exc
+        elif response.content.at_eof() or (finished is not None and finished()):
+            # The client closed right after the last event it needed ("[DONE]"): the
+            # answer was delivered, so it is a 200 with its usage, not a 499.
+            response.close()
         else:
             response.close()  # the client left: drop the upstream request now
             raise _ClientGone
