@@ -190,6 +190,3 @@ def lookup(key: str) -> KeyInfo | None:
 def still_valid(info: KeyInfo) -> bool:
     return info.expires_at is None or info.expires_at > time.time()
 
-
-def touch(key_id: int) -> None:
-    ApiKey.objects.filter(pk=key_id).update(last_used_at=timezone.now())

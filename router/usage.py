@@ -66,6 +66,7 @@ class UsageMeter:
         self._clock = clock
         self._interval = interval
         self._pending: dict[Bucket, list[int]] = {}
+        self._last_used: dict[int, int] = {}  # key id -> Unix seconds of its latest request
         # record() may be called from any thread; the lock is uncontended on the hot path.
         self._lock = threading.Lock()
         self._flush_lock = asyncio.Lock()  # one flush at a time, or two would write one delta
@@ -75,10 +76,12 @@ class UsageMeter:
         self, key: KeyInfo, model: str, *, prompt_tokens: int = 0, completion_tokens: int = 0
     ) -> None:
         """Count one request of ``key`` on served name ``model`` and its tokens (no I/O)."""
-        bucket = (key.id, key.prefix, model, int(self._clock()) // 3600 * 3600)
+        now = int(self._clock())
+        bucket = (key.id, key.prefix, model, now // 3600 * 3600)
         prompt = prompt_tokens if prompt_tokens > 0 else 0
         completion = completion_tokens if completion_tokens > 0 else 0
         with self._lock:
+            self._last_used[key.id] = now
             counts = self._pending.get(bucket)
             if counts is None:
                 self._pending[bucket] = [1, prompt, completion]
@@ -105,10 +108,15 @@ class UsageMeter:
     async def _flush(self) -> int:
         async with self._flush_lock:
             snapshot = self.pending()
-            if not snapshot:
-                return 0
-            await sync_to_async(write_deltas, thread_sensitive=False)(snapshot)
             with self._lock:
+                used = dict(self._last_used)
+            if not snapshot and not used:
+                return 0
+            await sync_to_async(_write, thread_sensitive=False)(snapshot, used)
+            with self._lock:
+                for key_id, moment in used.items():
+                    if self._last_used.get(key_id) == moment:
+                        del self._last_used[key_id]
                 for bucket, written in snapshot.items():
                     counts = self._pending[bucket]
                     for i in range(3):
@@ -145,6 +153,27 @@ class UsageMeter:
                 if not failing:  # log the first failure of a run, not every 2 s
                     log.warning("Usage flush failed, keeping the deltas to retry: %r", exc)
                 failing = True
+
+
+def _write(deltas: dict[Bucket, Counts], used: dict[int, int]) -> None:
+    write_deltas(deltas)
+    mark_used(used)
+
+
+def mark_used(used: dict[int, int]) -> None:
+    """Move each key's ``last_used_at`` forward to its latest request (never back).
+
+    Several web processes write the same keys; the condition keeps the latest.
+    """
+    close_old_connections()
+    try:
+        for key_id, moment in sorted(used.items()):
+            at = datetime.datetime.fromtimestamp(moment, tz=datetime.UTC)
+            ApiKey.objects.filter(pk=key_id).filter(
+                Q(last_used_at__isnull=True) | Q(last_used_at__lt=at)
+            ).update(last_used_at=at)
+    finally:
+        close_old_connections()
 
 
 def write_deltas(deltas: dict[Bucket, Counts]) -> None:

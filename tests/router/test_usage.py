@@ -206,3 +206,27 @@ async def test_a_cancelled_flush_still_subtracts_what_it_wrote(
     await meter.flush()  # waits for the write under way, then finds nothing left
     assert meter.pending() == {}
     assert (await _rows())[0][4:] == (1, 1, 1)
+
+
+async def test_a_flush_moves_last_used_at_forward_never_back() -> None:
+    clock = Clock(HOUR + 100)
+    meter = usage.UsageMeter(clock=clock)
+    key = await _key()
+
+    async def last_used() -> datetime.datetime | None:
+        return (await ApiKey.objects.aget(pk=key.id)).last_used_at
+
+    assert await last_used() is None
+    meter.record(key, "m")
+    await meter.flush()
+    assert await last_used() == _hour(HOUR + 100)
+    # Another web process flushing an older request must not move it back.
+    other = usage.UsageMeter(clock=Clock(HOUR + 50))
+    other.record(key, "m")
+    await other.flush()
+    assert await last_used() == _hour(HOUR + 100)
+    clock.now = HOUR + 900
+    meter.record(key, "m")
+    await meter.flush()
+    assert await last_used() == _hour(HOUR + 900)
+    assert await meter.flush() == 0  # nothing left to write, not even the time
