@@ -189,4 +189,3 @@ def lookup(key: str) -> KeyInfo | None:
 
 def still_valid(info: KeyInfo) -> bool:
     return info.expires_at is None or info.expires_at > time.time()
-
