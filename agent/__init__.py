@@ -11,7 +11,8 @@ Public surface (everything else lives in private modules and may change)::
     join, bootstrap_enroll                        enrollment
     install_llama_server                          building the engine
     write_tiny_gguf                               a tiny model for demos and tests
-    AgentError and its subclasses                 errors (see agent._errors)
+    WirePool, WireResponse                        the proxy hops' lean HTTP/1.1 client
+    AgentError, WireError and their subclasses    errors (see agent._errors)
     __version__, PROTOCOL_VERSIONS
 """
 
@@ -20,9 +21,12 @@ from agent._enroll import bootstrap_enroll, join
 from agent._errors import (
     AgentError,
     ApiError,
+    BadResponse,
     ClientNotMaster,
     ConfigError,
     Conflict,
+    ConnectFailed,
+    Disconnected,
     EnrollmentError,
     EnrollmentRefused,
     ExecutableUnverified,
@@ -32,18 +36,21 @@ from agent._errors import (
     MethodNotAllowed,
     ModelNotRunning,
     NotFound,
+    ReadTimeout,
     ServerBusy,
     SpecRejected,
     StateUnavailable,
     TokenRefused,
     UntrustedEnrollEndpoint,
     UpstreamUnavailable,
+    WireError,
 )
 from agent._install import install_llama_server
 from agent._run import run_agent, serve
 from agent._server import AgentServer
 from agent._tinygguf import write_tiny_gguf
 from agent._version import PROTOCOL_VERSIONS, __version__
+from agent._wire import WirePool, WireResponse
 
 __all__ = [
     "PROTOCOL_VERSIONS",
@@ -51,9 +58,12 @@ __all__ = [
     "AgentError",
     "AgentServer",
     "ApiError",
+    "BadResponse",
     "ClientNotMaster",
     "ConfigError",
     "Conflict",
+    "ConnectFailed",
+    "Disconnected",
     "EnrollmentError",
     "EnrollmentRefused",
     "ExecutableEntry",
@@ -64,12 +74,16 @@ __all__ = [
     "MethodNotAllowed",
     "ModelNotRunning",
     "NotFound",
+    "ReadTimeout",
     "ServerBusy",
     "SpecRejected",
     "StateUnavailable",
     "TokenRefused",
     "UntrustedEnrollEndpoint",
     "UpstreamUnavailable",
+    "WireError",
+    "WirePool",
+    "WireResponse",
     "__version__",
     "bootstrap_enroll",
     "install_llama_server",

@@ -30,6 +30,15 @@ One tree, so callers can catch as broadly or narrowly as they need::
         +-- ServerBusy              503 server_busy
         +-- StateUnavailable        503 state_unavailable
 
+    WireError                       a request of the proxy hops' HTTP client failed (agent._wire)
+    +-- ConnectFailed               connect or TLS handshake failed: nothing was sent
+    +-- ReadTimeout                 no byte for the idle timeout (also a TimeoutError)
+    +-- Disconnected                closed or broken before the answer was complete
+    +-- BadResponse                 the server's bytes are not HTTP/1.1
+
+WireError is not an AgentError: it is a transport failure the caller turns into its own
+answer (the agent's proxy into 502 upstream_unavailable, the router into node_unreachable).
+
 Each ApiError subclass carries the code and HTTP status from the contract table in
 docs/agent-api.md, so the server turns any of them into the same JSON error shape.
 """
@@ -188,3 +197,23 @@ class NothingToDownload(ApiError):
 class NotSupported(ApiError):
     code = "not_supported"
     status = 501
+
+
+class WireError(Exception):
+    """A request of the proxy hops' HTTP client (agent._wire) failed."""
+
+
+class ConnectFailed(WireError):
+    """The connection (or its TLS handshake) failed: the server received nothing."""
+
+
+class ReadTimeout(WireError, TimeoutError):
+    """The server sent nothing for the idle timeout."""
+
+
+class Disconnected(WireError):
+    """The server closed or broke the connection before the answer was complete."""
+
+
+class BadResponse(WireError):
+    """The server's bytes are not HTTP/1.1."""

@@ -3,8 +3,8 @@
 Nothing is buffered: the request body is forwarded as it arrives and every response
 chunk is written to the client as soon as the engine sends it, which is what makes
 token streaming (SSE) work end to end. The client's Authorization is replaced by the
-instance's own key, so a caller never needs (or learns) it. One long-lived client
-session keeps connections to the engines pooled across requests.
+instance's own key, so a caller never needs (or learns) it. The lean wire client
+(``agent._wire``, D29) keeps connections to the engines pooled across requests.
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from yarl import URL
 
-from agent._errors import ServerBusy, UpstreamUnavailable
+from agent._errors import ReadTimeout, ServerBusy, UpstreamUnavailable, WireError
+from agent._wire import WirePool, WireResponse
 
 __all__ = ["Proxy", "Upstream"]
 
@@ -38,6 +37,8 @@ _HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
+# The wire client frames the request itself (Host, Content-Length or chunked).
+_REQUEST_DROP = frozenset({"host", "authorization", "expect", "content-length"})
 _SMALL_BODY = 1024 * 1024
 _CHUNK = 64 * 1024
 
@@ -51,18 +52,33 @@ class Upstream:
     served_name: str
 
 
-def _forwardable(headers: CIMultiDictProxy[str], drop: frozenset[str]) -> CIMultiDict[str]:
-    named = {
-        token.strip().lower()
-        for value in headers.getall("Connection", [])
-        for token in value.split(",")
-    }
+def _connection_tokens(values: list[str]) -> frozenset[str]:
+    return frozenset(token.strip().lower() for value in values for token in value.split(","))
+
+
+def _request_headers(headers: CIMultiDictProxy[str], key: str) -> list[tuple[str, str]]:
+    named = _connection_tokens(headers.getall("Connection", []))
+    out = [
+        (name, value)
+        for name, value in headers.items()
+        if (lower := name.lower()) not in _HOP_BY_HOP
+        and lower not in _REQUEST_DROP
+        and lower not in named
+    ]
+    out.append(("Authorization", f"Bearer {key}"))
+    return out
+
+
+def _response_headers(response: WireResponse, drop: frozenset[str]) -> CIMultiDict[str]:
+    raw = response.raw_headers
+    named = _connection_tokens([v.decode("latin-1") for k, v in raw if k.lower() == b"connection"])
     out: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
+    for name_b, value_b in raw:
+        name = name_b.decode("latin-1")
         lower = name.lower()
         if lower in _HOP_BY_HOP or lower in named or lower in drop:
             continue
-        out.add(name, value)
+        out.add(name, value_b.decode("latin-1"))
     return out
 
 
@@ -82,31 +98,27 @@ class Proxy:
         self._idle = idle_timeout_seconds
         self._connect = connect_timeout_seconds
         self._in_flight = 0
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: WirePool | None = None
 
     @property
     def in_flight(self) -> int:
         return self._in_flight
 
     async def start(self) -> None:
-        # auto_decompress off: bytes pass through as the engine encoded them, together
-        # with its Content-Encoding. No cookie jar: the proxy must not carry state
-        # between callers.
-        self._session = aiohttp.ClientSession(
-            # llama-server (cpp-httplib) drops idle keep-alive connections after 5 s;
-            # giving them up after 4 s here avoids reusing one it is just closing.
-            connector=aiohttp.TCPConnector(
-                limit=max(self._max, 100), limit_per_host=0, keepalive_timeout=4.0
-            ),
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        # llama-server (cpp-httplib) drops idle keep-alive connections after 5 s;
+        # giving them up after 4 s here avoids reusing one it is just closing. The wire
+        # client carries no state between callers (no cookies, no auth of its own), and
+        # bytes pass through as the engine encoded them, with its Content-Encoding.
+        self._pool = WirePool(
+            keepalive_seconds=4.0,
+            connect_timeout=self._connect,
+            max_idle_per_host=max(self._max, 100),
         )
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """The aiohttp handler for ``/agent/v1/proxy/{instanceId}/{path}``."""
@@ -122,19 +134,18 @@ class Proxy:
         finally:
             self._in_flight -= 1
 
-    def _target(self, request: web.Request, upstream: Upstream) -> URL:
+    @staticmethod
+    def _target(request: web.Request) -> str:
         # The raw (still percent-encoded) path is forwarded, so the engine sees exactly
         # what the client sent after the /agent/v1/proxy/{id}/ prefix.
-        parts = request.rel_url.raw_path.split("/", 5)
+        parts = request.raw_path.split("?", 1)[0].split("/", 5)
         rest = parts[5] if len(parts) > 5 else ""
         query = request.rel_url.raw_query_string
-        text = f"http://127.0.0.1:{upstream.port}/{rest}" + (f"?{query}" if query else "")
-        return URL(text, encoded=True)
+        return f"/{rest}?{query}" if query else f"/{rest}"
 
     async def _forward(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
-        assert self._session is not None, "Proxy.start() was not called"
-        headers = _forwardable(request.headers, frozenset({"host", "authorization", "expect"}))
-        headers["Authorization"] = f"Bearer {upstream.key}"
+        assert self._pool is not None, "Proxy.start() was not called"
+        headers = _request_headers(request.headers, upstream.key)
         body: AsyncIterator[bytes] | bytes | None = None
         if request.body_exists:
             length = request.content_length
@@ -144,21 +155,19 @@ class Proxy:
                 body = await request.read()
             else:
                 body = self._stream_body(request)
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self._connect, sock_read=self._idle or None
-        )
         try:
-            response = await self._session.request(
+            response = await self._pool.request(
                 request.method,
-                self._target(request, upstream),
+                "127.0.0.1",
+                upstream.port,
+                self._target(request),
                 headers=headers,
-                data=body,
-                allow_redirects=False,
-                timeout=timeout,
+                body=body,
+                read_timeout=self._idle or None,
             )
-        except TimeoutError:
+        except ReadTimeout:
             raise UpstreamUnavailable(self._idle_message(upstream)) from None
-        except aiohttp.ClientError as exc:
+        except (WireError, ValueError) as exc:
             raise UpstreamUnavailable(
                 f"Model '{upstream.served_name}' could not be reached on port {upstream.port}: {exc}"
             ) from None
@@ -178,40 +187,37 @@ class Proxy:
         )
 
     async def _relay(
-        self, request: web.Request, response: aiohttp.ClientResponse, upstream: Upstream
+        self, request: web.Request, response: WireResponse, upstream: Upstream
     ) -> web.StreamResponse:
         length = response.content_length
-        streamed = "text/event-stream" in response.headers.get("Content-Type", "")
+        streamed = "text/event-stream" in (response.header("content-type") or "")
         if not streamed and length is not None and length <= _SMALL_BODY:
             # A small whole answer: read it, then send headers and body in one write.
             try:
                 body = await response.read()
-            except TimeoutError:
+            except ReadTimeout:
                 raise UpstreamUnavailable(self._idle_message(upstream)) from None
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+            except WireError as exc:
                 raise UpstreamUnavailable(
                     f"Model '{upstream.served_name}' broke off its answer: {exc}"
                 ) from None
-            whole = web.Response(status=response.status, reason=response.reason, body=body)
-            whole.headers.extend(_forwardable(response.headers, frozenset({"content-length"})))
+            whole = web.Response(status=response.status, body=body)
+            whole.headers.extend(_response_headers(response, frozenset({"content-length"})))
             return whole
-        out = web.StreamResponse(status=response.status, reason=response.reason)
-        out.headers.extend(_forwardable(response.headers, frozenset()))
+        out = web.StreamResponse(status=response.status)
+        out.headers.extend(_response_headers(response, frozenset()))
         await out.prepare(request)
         try:
-            async for chunk in response.content.iter_any():
+            async for chunk in response.iter_chunks():
                 await out.write(chunk)
-        except TimeoutError:
+        except ReadTimeout:
             log.warning("%s; aborting the stream", self._idle_message(upstream))
             self._abort(request)
             return out
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        except (WireError, ConnectionResetError) as exc:
             # Either side went away mid-stream. An upstream failure must not look like a
             # complete response, so the client connection is cut rather than ended.
             log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
-            self._abort(request)
-            return out
-        except ConnectionResetError:
             self._abort(request)
             return out
         await out.write_eof()

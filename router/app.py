@@ -3,8 +3,9 @@
 Per request: authenticate the key (cached), read the body up to 64 MiB to find
 ``model``, resolve the served name to a ready replica (registry + status
 cache, never an agent call), and stream the engine's answer back through the
-agent's proxy chunk by chunk. aiohttp's client with one long-lived session
-carries the data path; each node's TLS context pins that node's identity.
+agent's proxy chunk by chunk. The agent package's lean wire client (D29)
+carries the data path with pooled keep-alive connections; each node's TLS
+context pins that node's identity.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
-import aiohttp
 from asgiref.sync import sync_to_async
-from yarl import URL
 
+from agent import ConnectFailed, Disconnected, WireError, WirePool, WireResponse
 from nodes import status_cache
 from nodes.services import node_ssl_context
 from router import errors, metrics, transform
@@ -59,6 +60,7 @@ HOP_BY_HOP = {
 }
 # Agent errors are marked by this header; engine errors pass through untouched.
 AGENT_ERROR_HEADER = "x-mirbad-agent-error"
+AGENT_ERROR_BYTES = AGENT_ERROR_HEADER.encode()
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -90,10 +92,11 @@ class _ClientGone(Exception):
 class RouterApp:
     def __init__(self) -> None:
         self.table = RoutingTable()
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: WirePool | None = None
         self.listener = Listener(apply=self.table.invalidate)
         self._contexts: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self._urls: dict[tuple[str, str, str], URL] = {}
+        self._targets: dict[tuple[str, str], str] = {}
+        self._hosts: dict[str, tuple[str, int]] = {}
         self.meter = UsageMeter()
         self._limiters: dict[int, Limiter] = {}
 
@@ -117,30 +120,36 @@ class RouterApp:
             self._contexts[cache_key] = context
         return context
 
-    def _url(self, address: str, instance_id: str, path: str, query: bytes | None) -> URL:
-        """The agent proxy URL, parsed once per (node, instance, endpoint): yarl is not free."""
+    def _target(self, instance_id: str, path: str, query: bytes | None) -> str:
+        """The agent proxy's request target for (instance, endpoint), built once."""
         if query:
-            text = f"{address.rstrip('/')}/agent/v1/proxy/{instance_id}{path}"
-            return URL(text + "?" + query.decode("latin-1"))
-        cache_key = (address, instance_id, path)
-        url = self._urls.get(cache_key)
-        if url is None:
-            if len(self._urls) > 10_000:
-                self._urls.clear()
-            url = self._urls[cache_key] = URL(
-                f"{address.rstrip('/')}/agent/v1/proxy/{instance_id}{path}"
-            )
-        return url
+            return f"/agent/v1/proxy/{instance_id}{path}?{query.decode('latin-1')}"
+        cache_key = (instance_id, path)
+        target = self._targets.get(cache_key)
+        if target is None:
+            if len(self._targets) > 10_000:
+                self._targets.clear()
+            target = self._targets[cache_key] = f"/agent/v1/proxy/{instance_id}{path}"
+        return target
 
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-                auto_decompress=False,
-            )
-        return self._session
+    def _host(self, address: str) -> tuple[str, int]:
+        """(host, port) of a node's agent address such as ``https://10.0.0.5:8443``."""
+        hit = self._hosts.get(address)
+        if hit is None:
+            parts = urlsplit(address)
+            if parts.hostname is None:
+                raise errors.upstream_unavailable(f"The node's address '{address}' has no host.")
+            hit = (parts.hostname, parts.port or (443 if parts.scheme == "https" else 80))
+            if len(self._hosts) > 10_000:
+                self._hosts.clear()
+            self._hosts[address] = hit
+        return hit
+
+    def pool(self) -> WirePool:
+        """The connection pool to the agents (one per process, made on first use)."""
+        if self._pool is None:
+            self._pool = WirePool(keepalive_seconds=60.0, connect_timeout=10.0)
+        return self._pool
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -178,8 +187,8 @@ class RouterApp:
                 await self.listener.stop()
                 await self.meter.stop()  # the last few seconds of usage are written too
                 await self.limiter().stop()
-                if self._session is not None:
-                    await self._session.close()
+                if self._pool is not None:
+                    await self._pool.close()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
@@ -316,28 +325,35 @@ class RouterApp:
         node = replica.node
         name = request.model
         context = await self._ssl_context(node)
-        url = self._url(node.address, replica.instance_id, scope["path"], scope.get("query_string"))
-        forward = {
-            k.decode("latin-1"): v.decode("latin-1")
+        host, port = self._host(node.address)
+        target = self._target(replica.instance_id, scope["path"], scope.get("query_string"))
+        forward = [
+            (k.decode("latin-1"), v.decode("latin-1"))
             for k, v in headers.items()
             if k not in HOP_BY_HOP
-        }
+        ]
         table = self.table
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
         overhead = time.perf_counter() - request.started
         try:
             try:
-                response = await self.session().request(
-                    "POST", url, data=prepared.body, headers=forward, ssl=context
-                )
-            except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
-                log.warning("Node %s unreachable for %s: %r", node.node_id, name, exc)
+                response = await self.pool().request(
+                    "POST", host, port, target, headers=forward, body=prepared.body,
+                    ssl_context=context,
+                )  # fmt: skip
+            except (ConnectFailed, Disconnected, OSError) as exc:
+                # Nothing of the answer arrived: another replica may take the request.
+                log.warning("Node %s unreachable for %s: %s", node.node_id, name, exc)
                 raise _RetryableBeforeFirstByte(
                     errors.node_unreachable(name, node.node_id)
                 ) from exc
+            except WireError as exc:
+                raise errors.upstream_unavailable(
+                    f"Node '{node.node_id}' answered badly: {exc}"
+                ) from exc
             async with response:
                 header_start = time.perf_counter()
-                agent_error = response.headers.get(AGENT_ERROR_HEADER)
+                agent_error = response.header(AGENT_ERROR_HEADER)
                 if agent_error:
                     await self._agent_error(response, agent_error, name, node.node_id)
                 prefetched = await _small_body(response) if response.status == 503 else None
@@ -346,7 +362,7 @@ class RouterApp:
                     # was sent to the client yet, so another replica may take it.
                     raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
                 ok = 200 <= response.status < 300
-                streamed = "text/event-stream" in response.headers.get("content-type", "")
+                streamed = "text/event-stream" in (response.header("content-type") or "")
                 length = response.content_length
                 if not streamed and length is not None and length <= SMALL_ANSWER:
                     # A whole JSON answer of known small size: one read and one send, no
@@ -357,10 +373,9 @@ class RouterApp:
                     whole = prefetched if prefetched is not None else await response.read()
                     prefetched = transform.transform_embeddings(prepared, whole)
                 out_headers = [
-                    (k.lower().encode("latin-1"), v.encode("latin-1"))
-                    for k, v in response.headers.items()
-                    if k.lower().encode("latin-1") not in HOP_BY_HOP
-                    and k.lower() != AGENT_ERROR_HEADER
+                    (lower, v)
+                    for k, v in response.raw_headers
+                    if (lower := k.lower()) not in HOP_BY_HOP and lower != AGENT_ERROR_BYTES
                 ]
                 if prefetched is not None:
                     out_headers = [h for h in out_headers if h[0] != b"content-length"]
@@ -412,10 +427,10 @@ class RouterApp:
             table.in_flight[replica.instance_id] -= 1
 
     async def _agent_error(
-        self, response: aiohttp.ClientResponse, code: str, name: str, node_id: str
+        self, response: WireResponse, code: str, name: str, node_id: str
     ) -> None:
         try:
-            message = (await response.json())["error"]["message"]
+            message = json.loads(await response.read())["error"]["message"]
         except Exception:
             message = code
         if code == "model_not_running":
@@ -456,7 +471,7 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
             return b"".join(chunks)
 
 
-async def _small_body(response: aiohttp.ClientResponse) -> bytes | None:
+async def _small_body(response: WireResponse) -> bytes | None:
     """The whole body of a small answer (an engine's 503), None when it is not small."""
     length = response.content_length
     if length is None or length > 65536:
@@ -489,7 +504,7 @@ def _tee(sniffer: transform.UsageSniffer) -> Callable[[bytes], bytes]:
 
 
 async def _stream(
-    response: aiohttp.ClientResponse,
+    response: WireResponse,
     receive: Receive,
     send: Send,
     feed: Callable[[bytes], bytes],
@@ -503,7 +518,7 @@ async def _stream(
     """
 
     async def pump() -> None:
-        async for chunk in response.content.iter_any():
+        async for chunk in response.iter_chunks():
             out = feed(chunk)
             if out:
                 await send({"type": "http.response.body", "body": out, "more_body": True})
@@ -522,12 +537,12 @@ async def _stream(
         done, _ = await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
         if pump_task in done:
             exc = pump_task.exception()
-            if exc is not None and not isinstance(exc, aiohttp.ClientPayloadError):
+            if exc is not None and not isinstance(exc, WireError):
                 raise exc
-            if isinstance(exc, aiohttp.ClientPayloadError):
+            if isinstance(exc, WireError):
                 # The upstream aborted mid-stream: end ours the same way.
                 raise _ClientGone from exc
-        elif response.content.at_eof() or (finished is not None and finished()):
+        elif response.at_eof() or (finished is not None and finished()):
             # The client closed right after the last event it needed ("[DONE]"): the
             # answer was delivered, so it is a 200 with its usage, not a 499.
             response.close()

@@ -1,0 +1,600 @@
+"""A lean HTTP/1.1 client for the proxy hops: pooled keep-alive connections, no frills.
+
+Both hops of ``/v1`` (the master's router to the agent, the agent to its engine) send
+one request and stream one answer back, millions of times. aiohttp's client does that
+with a general machine (cookie jars, redirects, auto headers, payload registries,
+multidict headers, tracing) that costs more CPU per request than the rest of each hop
+together (docs/decisions.md D29). This module does only what the hops need:
+
+- one asyncio ``Protocol`` per connection, httptools' C parser for the answer (it also
+  undoes chunked encoding), the request head and a small body in one write;
+- a pool of idle keep-alive connections per (host, port, TLS context), each given up
+  after ``keepalive_seconds`` idle (an engine closes its own after a few seconds);
+- an idle read timeout (no byte from the server for that long ends the request), a
+  connect timeout, back-pressure both ways (reading pauses while the consumer lags);
+- closing a response before its end aborts the connection, so the server sees the
+  request go away at once (the router relies on it when its client leaves).
+
+Errors: ``WireError`` and its subclasses, drawn in ``agent._errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import httptools
+
+from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
+
+__all__ = [
+    "BadResponse",
+    "ConnectFailed",
+    "Disconnected",
+    "ReadTimeout",
+    "WireError",
+    "WirePool",
+    "WireResponse",
+]
+
+_HIGH_WATER = 256 * 1024  # buffered answer bytes above which reading pauses
+_LOW_WATER = 64 * 1024
+_BODY_CHUNK = 64 * 1024
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; carries one request at a time."""
+
+    __slots__ = (
+        "_drain",
+        "_interim",
+        "_lost",
+        "_parser",
+        "_paused_writing",
+        "closed",
+        "idle_since",
+        "key",
+        "pool",
+        "response",
+        "transport",
+    )
+
+    def __init__(self, pool: WirePool, key: tuple[Any, ...]) -> None:
+        self.pool = pool
+        self.key = key
+        self.transport: asyncio.Transport | None = None
+        self.response: WireResponse | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._parser: Any = None
+        self._paused_writing = False
+        self._drain: asyncio.Future[None] | None = None
+        self._lost: BaseException | None = None
+        self._interim = False
+
+    # -- asyncio.Protocol ----------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        response = self.response
+        if response is None:
+            # Bytes while idle: the server is not speaking HTTP/1.1 keep-alive with us.
+            self.abort()
+            return
+        response.last_read = time.monotonic()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            response.fail(BadResponse("the server switched protocols"))
+            self.abort()
+        except httptools.HttpParserError as exc:
+            response.fail(BadResponse(f"the server's answer is not valid HTTP/1.1: {exc}"))
+            self.abort()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the transport; connection_lost ends the response
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._lost = exc
+        self.pool._forget(self)
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(Disconnected(f"the connection closed: {exc or 'EOF'}"))
+        response = self.response
+        if response is not None:
+            response.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._paused_writing = True
+
+    def resume_writing(self) -> None:
+        self._paused_writing = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- httptools callbacks ---------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.response.raw_headers.append((name, value))  # type: ignore[union-attr]
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        status = self._parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints): the final one follows.
+            response.raw_headers.clear()
+            self._interim = True
+            return
+        response.status = status
+        response.headers_complete()
+        if response.head_only:
+            # A HEAD answer has no body, which the parser cannot know; end it here and
+            # do not reuse the connection (the parser's state is past its reach).
+            response.message_complete(keep_alive=False)
+
+    def on_body(self, body: bytes) -> None:
+        response = self.response
+        if response is not None and not response.done:
+            response.body(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        response = self.response
+        if response is not None and not response.done:
+            response.message_complete(keep_alive=self._parser.should_keep_alive())
+
+    # -- use ---------------------------------------------------------------------------
+
+    def begin(self, response: WireResponse) -> None:
+        self.response = response
+        self._parser = httptools.HttpResponseParser(self)
+
+    def finished(self, *, keep_alive: bool) -> None:
+        """The current answer is complete: back to the pool, or closed."""
+        self.response = None
+        self._parser = None
+        if keep_alive and not self.closed:
+            self.idle_since = time.monotonic()
+            self.pool._release(self)
+        else:
+            self.close()
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.closed:
+            raise Disconnected(f"the connection closed: {self._lost or 'EOF'}")
+        if self._paused_writing:
+            self._drain = asyncio.get_running_loop().create_future()
+            await self._drain
+
+    def pause_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.closed = True
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class WireResponse:
+    """One answer: status and headers first, then the body as it arrives."""
+
+    __slots__ = (
+        "_buffered",
+        "_chunks",
+        "_conn",
+        "_error",
+        "_headers",
+        "_paused",
+        "_started",
+        "_timeout",
+        "_timer",
+        "_waiter",
+        "_whole",
+        "done",
+        "head_only",
+        "last_read",
+        "raw_headers",
+        "status",
+    )
+
+    def __init__(self, conn: _Connection, *, head_only: bool, read_timeout: float | None) -> None:
+        self.status = 0
+        self.raw_headers: list[tuple[bytes, bytes]] = []
+        self.head_only = head_only
+        self.done = False  # the whole answer arrived (or failed)
+        self.last_read = time.monotonic()
+        self._conn: _Connection | None = conn
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._whole = False
+        self._timeout = read_timeout
+        self._timer: asyncio.TimerHandle | None = None
+        self._headers: dict[str, str] | None = None
+        self._started = False  # headers complete
+        if read_timeout:
+            self._timer = asyncio.get_running_loop().call_later(read_timeout, self._check_idle)
+
+    # -- what callers read ---------------------------------------------------------------
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Headers by lowercase name (repeated ones joined with ', ', as HTTP allows)."""
+        if self._headers is None:
+            out: dict[str, str] = {}
+            for name, value in self.raw_headers:
+                key = name.decode("latin-1").lower()
+                text = value.decode("latin-1")
+                out[key] = f"{out[key]}, {text}" if key in out else text
+            self._headers = out
+        return self._headers
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name)
+
+    @property
+    def content_length(self) -> int | None:
+        raw = self.headers.get("content-length")
+        try:
+            return int(raw) if raw is not None else None
+        except ValueError:
+            return None
+
+    def at_eof(self) -> bool:
+        """Whether the whole body arrived and was taken by the caller."""
+        return self.done and self._error is None and not self._chunks
+
+    async def read(self) -> bytes:
+        """The rest of the body, whole."""
+        self._whole = True  # the caller takes it all at once: no reason to pause reading
+        self._resume()
+        while not self.done:
+            await self._wait()
+        if self._error is not None:
+            raise self._error
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return data
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """Everything that arrived since the last step, as soon as it arrives."""
+        while True:
+            if self._chunks:
+                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+                self._chunks.clear()
+                self._buffered = 0
+                self._resume()
+                yield data
+                continue
+            if self.done:
+                if self._error is not None:
+                    raise self._error
+                return
+            await self._wait()
+
+    def close(self) -> None:
+        """Done with the answer: an unfinished one aborts its connection."""
+        self._stop_timer()
+        conn = self._conn
+        if conn is None:
+            return
+        self._conn = None
+        if not self.done:
+            self.done = True
+            self._error = Disconnected("the response was closed before its end")
+            conn.response = None
+            conn.abort()
+            conn.pool._forget(conn)
+
+    async def __aenter__(self) -> WireResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- fed by the connection -----------------------------------------------------------
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def headers_complete(self) -> None:
+        self._started = True
+        self._wake()
+
+    def body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if (
+            self._buffered > _HIGH_WATER
+            and not self._paused
+            and not self._whole
+            and self._conn is not None
+        ):
+            self._paused = True
+            self._conn.pause_reading()
+        self._wake()
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self.last_read = time.monotonic()  # the pause was ours, not the server's silence
+            if self._conn is not None:
+                self._conn.resume_reading()
+
+    def message_complete(self, *, keep_alive: bool) -> None:
+        self.done = True
+        self._stop_timer()
+        conn = self._conn
+        self._conn = None
+        if self._paused and conn is not None:
+            self._paused = False
+            conn.resume_reading()
+        if conn is not None:
+            conn.finished(keep_alive=keep_alive)
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        if self.done:
+            return
+        self.done = True
+        self._error = error
+        self._stop_timer()
+        self._conn = None
+        self._wake()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.done:
+            return
+        if self._started and exc is None and self._until_close():
+            # No length and not chunked: the body ends where the connection does.
+            self.message_complete(keep_alive=False)
+            return
+        where = "in the middle of the answer" if self._started else "before answering"
+        self.fail(Disconnected(f"the server closed the connection {where}: {exc or 'EOF'}"))
+
+    def _until_close(self) -> bool:
+        headers = self.headers
+        return "content-length" not in headers and "chunked" not in headers.get(
+            "transfer-encoding", ""
+        )
+
+    def _check_idle(self) -> None:
+        self._timer = None
+        if self.done or self._timeout is None:
+            return
+        if self._paused:
+            self.last_read = time.monotonic()  # we stopped reading; the server is not idle
+        idle = time.monotonic() - self.last_read
+        if idle < self._timeout:
+            self._timer = asyncio.get_running_loop().call_later(
+                self._timeout - idle, self._check_idle
+            )
+            return
+        conn = self._conn
+        self.fail(ReadTimeout(f"the server sent nothing for {self._timeout:g} s"))
+        if conn is not None:
+            conn.response = None
+            conn.abort()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    async def wait_headers(self) -> None:
+        while not self._started and not self.done:
+            await self._wait()
+        if not self._started:
+            assert self._error is not None
+            raise self._error
+
+
+Body = bytes | AsyncIterator[bytes] | None
+
+
+class WirePool:
+    """Keep-alive connections by (host, port, TLS context); one request per connection."""
+
+    def __init__(
+        self,
+        *,
+        keepalive_seconds: float = 60.0,
+        connect_timeout: float = 10.0,
+        max_idle_per_host: int = 512,
+    ) -> None:
+        self._keepalive = keepalive_seconds
+        self._connect_timeout = connect_timeout
+        self._max_idle = max_idle_per_host
+        self._idle: dict[tuple[Any, ...], collections.deque[_Connection]] = {}
+        self._all: set[_Connection] = set()
+        self._closed = False
+
+    async def request(
+        self,
+        method: str,
+        host: str,
+        port: int,
+        target: str,
+        *,
+        headers: Iterable[tuple[str, str]] = (),
+        body: Body = None,
+        ssl_context: ssl.SSLContext | None = None,
+        read_timeout: float | None = None,
+    ) -> WireResponse:
+        """Send one request; returns once the answer's status and headers arrived.
+
+        ``target`` is the path and query exactly as they go on the wire (already
+        percent-encoded). ``headers`` must not carry Host, Content-Length,
+        Transfer-Encoding or Connection: the request framing is this module's.
+        """
+        if self._closed:
+            raise WireError("the connection pool is closed")
+        head = _head(method, target, host, port, headers, body)  # refuses bad headers first
+        key = (host, port, id(ssl_context) if ssl_context is not None else None)
+        conn = self._take(key)
+        if conn is None:
+            conn = await self._connect(key, host, port, ssl_context)
+        response = WireResponse(conn, head_only=method == "HEAD", read_timeout=read_timeout)
+        conn.begin(response)
+        try:
+            if isinstance(body, bytes | bytearray | memoryview):
+                if len(body) <= _BODY_CHUNK:
+                    conn.write(head + bytes(body))  # one write, one segment, the usual case
+                else:
+                    conn.write(head)
+                    conn.write(bytes(body))
+                    await conn.drain()
+            elif body is None:
+                conn.write(head)
+            else:
+                conn.write(head)
+                await _send_chunked(conn, body)
+            await response.wait_headers()
+        except BaseException:
+            response.close()
+            raise
+        return response
+
+    def _take(self, key: tuple[Any, ...]) -> _Connection | None:
+        idle = self._idle.get(key)
+        if not idle:
+            return None
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()  # the most recently used: the least likely to be closed
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                self._all.discard(conn)
+                continue
+            if now - conn.idle_since > self._keepalive:
+                self._forget(conn)
+                conn.close()
+                continue
+            return conn
+        return None
+
+    async def _connect(
+        self, key: tuple[Any, ...], host: str, port: int, context: ssl.SSLContext | None
+    ) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self, key),
+                    host,
+                    port,
+                    ssl=context,
+                    server_hostname=host if context is not None else None,
+                )
+        except TimeoutError:
+            raise ConnectFailed(
+                f"connecting to {host}:{port} took longer than {self._connect_timeout:g} s"
+            ) from None
+        except (OSError, ssl.SSLError, ValueError) as exc:
+            raise ConnectFailed(f"cannot connect to {host}:{port}: {exc}") from exc
+        self._all.add(conn)
+        return conn
+
+    def _release(self, conn: _Connection) -> None:
+        if self._closed:
+            conn.close()
+            return
+        idle = self._idle.setdefault(conn.key, collections.deque())
+        if len(idle) >= self._max_idle:
+            conn.close()
+            self._all.discard(conn)
+            return
+        idle.append(conn)
+
+    def _forget(self, conn: _Connection) -> None:
+        self._all.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle:
+            with contextlib.suppress(ValueError):
+                idle.remove(conn)
+
+    async def close(self) -> None:
+        """Close every connection, idle or busy."""
+        self._closed = True
+        for conn in list(self._all):
+            conn.close()
+        self._all.clear()
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports run their close callbacks
+
+    @property
+    def connections(self) -> int:
+        """Open connections (idle and busy), for tests and metrics."""
+        return len(self._all)
+
+
+def _head(
+    method: str,
+    target: str,
+    host: str,
+    port: int,
+    headers: Iterable[tuple[str, str]],
+    body: Body,
+) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1\r\nHost: {_host(host)}:{port}\r\n"]
+    for name, value in headers:
+        if "\n" in name or "\r" in name or "\n" in value or "\r" in value:
+            raise ValueError(f"header {name!r} holds a line break")
+        lines.append(f"{name}: {value}\r\n")
+    if isinstance(body, bytes | bytearray | memoryview):
+        lines.append(f"Content-Length: {len(body)}\r\n\r\n")
+    elif body is None:
+        lines.append("Content-Length: 0\r\n\r\n" if method in ("POST", "PUT", "PATCH") else "\r\n")
+    else:
+        lines.append("Transfer-Encoding: chunked\r\n\r\n")
+    return "".join(lines).encode("latin-1")
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+async def _send_chunked(conn: _Connection, body: AsyncIterator[bytes]) -> None:
+    async for piece in body:
+        if not piece:
+            continue
+        for start in range(0, len(piece), _BODY_CHUNK):
+            part = piece[start : start + _BODY_CHUNK]
+            conn.write(b"%x\r\n%b\r\n" % (len(part), part))
+            await conn.drain()
+    conn.write(b"0\r\n\r\n")

@@ -1,0 +1,659 @@
+"""agent._wire's WirePool against real servers on 127.0.0.1: aiohttp apps, and raw
+asyncio servers where the exact bytes on the wire matter."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_support import issue, make_ca
+from aiohttp import web
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from multidict import CIMultiDict
+
+from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
+from agent._wire import WirePool
+
+pytestmark = pytest.mark.timeout(30)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+OK_KEEPALIVE = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+# -- servers ----------------------------------------------------------------------------
+
+
+@dataclass
+class RawServer:
+    port: int = 0
+    accepted: int = 0
+    finished: int = 0
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    async def settle(self, timeout: float = 1.0) -> None:
+        """Wait for the handlers of the connections accepted so far to end."""
+        pending = [t for t in self.tasks if not t.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+
+
+@contextlib.asynccontextmanager
+async def raw_server(handler: Handler) -> AsyncIterator[RawServer]:
+    """An asyncio server running ``handler`` per connection; cancels them on exit."""
+    info = RawServer()
+
+    async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        info.accepted += 1
+        task = asyncio.current_task()
+        assert task is not None
+        info.tasks.add(task)
+        try:
+            await handler(reader, writer)
+        # Cancelled at teardown, or the client went away: both are the test's business,
+        # and a cancelled start_server task would otherwise be logged as an error.
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            info.finished += 1
+            writer.close()
+
+    server = await asyncio.start_server(on_connect, "127.0.0.1", 0)
+    info.port = server.sockets[0].getsockname()[1]
+    try:
+        yield info
+    finally:
+        server.close()
+        for task in info.tasks:
+            task.cancel()
+        await asyncio.gather(*info.tasks, return_exceptions=True)
+        await server.wait_closed()
+
+
+@contextlib.asynccontextmanager
+async def web_server(
+    app: web.Application, ssl_context: ssl.SSLContext | None = None
+) -> AsyncIterator[int]:
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    try:
+        yield runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+async def read_head(reader: asyncio.StreamReader) -> bytes:
+    return await reader.readuntil(b"\r\n\r\n")
+
+
+async def keepalive_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer every request on the connection with a keep-alive ``ok``."""
+    while True:
+        try:
+            await read_head(reader)
+        except asyncio.IncompleteReadError:
+            return
+        writer.write(OK_KEEPALIVE)
+        await writer.drain()
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 1.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.005)
+
+
+def echo_app() -> web.Application:
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        return web.json_response(
+            {
+                "method": request.method,
+                "rawPath": request.raw_path,
+                "headers": list(request.headers.items()),
+                # A digest, not the bytes: the answer stays small whatever the body.
+                "sha256": hashlib.sha256(body).hexdigest(),
+                "length": len(body),
+                "port": request.transport.get_extra_info("peername")[1],  # type: ignore[union-attr]
+            },
+            headers=CIMultiDict([("X-Rep", "a"), ("X-Rep", "b")]),
+        )
+
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    return app
+
+
+def header_values(seen: dict[str, Any], name: str) -> list[str]:
+    """The values of one header as the echo app received it (repeats kept)."""
+    return [v for k, v in seen["headers"] if k.lower() == name.lower()]
+
+
+@pytest.fixture
+async def make_pool() -> AsyncIterator[Callable[..., WirePool]]:
+    made: list[WirePool] = []
+
+    def make(**options: float) -> WirePool:
+        pool = WirePool(**{"connect_timeout": 2.0, **options})  # type: ignore[arg-type]
+        made.append(pool)
+        return pool
+
+    yield make
+    for pool in made:
+        await pool.close()
+
+
+@pytest.fixture
+def pool(make_pool: Callable[..., WirePool]) -> WirePool:
+    return make_pool()
+
+
+# -- plain answers ----------------------------------------------------------------------
+
+
+async def test_get_with_content_length_answer(pool: WirePool) -> None:
+    async with web_server(echo_app()) as port:
+        target = "/echo/a%20b?x=1&y=%2F"
+        response = await pool.request(
+            "GET", "127.0.0.1", port, target, headers=[("X-Test", "yes"), ("Accept", "*/*")]
+        )
+        assert response.status == 200
+        assert response.header("content-type") == "application/json; charset=utf-8"
+        assert response.header("x-rep") == "a, b"
+        assert (b"X-Rep", b"a") in response.raw_headers
+        assert (b"X-Rep", b"b") in response.raw_headers
+        body = await response.read()
+        assert response.content_length == len(body)
+        assert response.at_eof()
+        seen = json.loads(body)
+        assert seen["method"] == "GET"
+        assert seen["rawPath"] == target
+        assert header_values(seen, "Host") == [f"127.0.0.1:{port}"]
+        assert header_values(seen, "X-Test") == ["yes"]
+        assert header_values(seen, "Accept") == ["*/*"]
+        assert header_values(seen, "Content-Length") == []
+        assert header_values(seen, "Transfer-Encoding") == []
+        assert seen["length"] == 0
+
+
+async def test_post_bytes_body_carries_content_length(pool: WirePool) -> None:
+    async with web_server(echo_app()) as port:
+        small = b"hello\x00world\r\n"
+        large = os.urandom(200_000)  # above the one-write limit: head and body go apart
+        for body in (small, large):
+            response = await pool.request(
+                "POST", "127.0.0.1", port, "/p", headers=[("Content-Type", "x/y")], body=body
+            )
+            assert response.status == 200
+            seen = json.loads(await response.read())
+            assert seen["method"] == "POST"
+            assert seen["sha256"] == hashlib.sha256(body).hexdigest()
+            assert seen["length"] == len(body)
+            assert header_values(seen, "Content-Length") == [str(len(body))]
+            assert header_values(seen, "Content-Type") == ["x/y"]
+            assert header_values(seen, "Transfer-Encoding") == []
+        response = await pool.request("POST", "127.0.0.1", port, "/empty")
+        seen = json.loads(await response.read())
+        assert header_values(seen, "Content-Length") == ["0"]
+
+
+async def test_chunked_answer_streams_pieces_as_they_arrive(pool: WirePool) -> None:
+    first_seen = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        # The rest only once the client holds the first piece: no buffering to the end.
+        await asyncio.wait_for(first_seen.wait(), 5)
+        writer.write(b"6\r\nsecond\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"5\r\nthird\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert response.header("transfer-encoding") == "chunked"
+        assert response.content_length is None
+        pieces: list[bytes] = []
+        async for chunk in response.iter_chunks():
+            pieces.append(chunk)
+            first_seen.set()
+        assert pieces[0] == b"first"
+        assert b"".join(pieces) == b"firstsecondthird"
+        assert response.at_eof()
+        assert pool.connections == 1  # chunked framing ends the answer: kept alive
+
+
+async def test_answer_until_close_is_read_whole_and_not_reused(pool: WirePool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nno length, ")
+        await writer.drain()
+        await asyncio.sleep(0.02)
+        writer.write(b"ends at EOF")
+        await writer.drain()
+
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert response.content_length is None
+        assert await response.read() == b"no length, ends at EOF"
+        assert response.at_eof()
+        assert pool.connections == 0
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert await response.read() == b"no length, ends at EOF"
+        assert server.accepted == 2
+
+
+async def test_head_answer_has_no_body_despite_content_length(pool: WirePool) -> None:
+    request_heads: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        request_heads.append(await read_head(reader))
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\nContent-Type: text/plain\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server:
+        response = await pool.request("HEAD", "127.0.0.1", server.port, "/x", read_timeout=2.0)
+        assert response.status == 200
+        assert response.content_length == 10
+        assert response.header("content-type") == "text/plain"
+        assert await asyncio.wait_for(response.read(), 1.0) == b""
+        assert request_heads[0].startswith(b"HEAD /x HTTP/1.1\r\n")
+        assert b"content-length" not in request_heads[0].lower()
+
+
+# -- keep-alive -------------------------------------------------------------------------
+
+
+async def test_keepalive_reuses_one_connection(pool: WirePool) -> None:
+    async with web_server(echo_app()) as port:
+        first = json.loads(await (await pool.request("GET", "127.0.0.1", port, "/1")).read())
+        second = json.loads(await (await pool.request("GET", "127.0.0.1", port, "/2")).read())
+        assert first["port"] == second["port"]
+        assert pool.connections == 1
+
+
+async def test_idle_connection_closed_by_server_is_not_used(pool: WirePool) -> None:
+    async def answer_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(OK_KEEPALIVE)  # keep-alive by HTTP/1.1 default, then closed anyway
+        await writer.drain()
+
+    async with raw_server(answer_once) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert await response.read() == b"ok"
+        await eventually(lambda: pool.connections == 0)
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert await response.read() == b"ok"
+        assert server.accepted == 2
+
+
+async def test_idle_connection_older_than_keepalive_is_not_reused(
+    make_pool: Callable[..., WirePool],
+) -> None:
+    pool = make_pool(keepalive_seconds=0.05)
+    async with raw_server(keepalive_ok) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        assert pool.connections == 1
+        await asyncio.sleep(0.1)
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        assert server.accepted == 2
+        assert pool.connections == 1
+        await eventually(lambda: server.finished == 1)  # the stale one was closed
+
+
+# -- failures ---------------------------------------------------------------------------
+
+
+async def test_closed_port_is_connect_failed(pool: WirePool) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(ConnectFailed):
+        await pool.request("GET", "127.0.0.1", port, "/")
+    assert pool.connections == 0
+
+
+async def test_connect_timeout_covers_tls_handshake(
+    make_pool: Callable[..., WirePool],
+) -> None:
+    pool = make_pool(connect_timeout=0.2)
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()
+
+    context = ssl.create_default_context()
+    async with raw_server(silent) as server:
+        started = time.monotonic()
+        with pytest.raises(ConnectFailed):
+            await pool.request("GET", "127.0.0.1", server.port, "/", ssl_context=context)
+        assert time.monotonic() - started < 1.5
+    assert pool.connections == 0
+
+
+async def test_no_answer_is_read_timeout(pool: WirePool) -> None:
+    async def mute(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        await asyncio.sleep(10)
+
+    async with raw_server(mute) as server:
+        started = time.monotonic()
+        with pytest.raises(ReadTimeout) as caught:
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.2)
+        assert 0.15 <= time.monotonic() - started < 1.5
+        assert isinstance(caught.value, TimeoutError)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_body_stall_is_read_timeout_after_first_bytes(pool: WirePool) -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nabc")
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    async with raw_server(stall) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.2)
+        pieces: list[bytes] = []
+        with pytest.raises(ReadTimeout):
+            async for chunk in response.iter_chunks():
+                pieces.append(chunk)
+        assert pieces == [b"abc"]
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.2)
+        with pytest.raises(ReadTimeout):
+            await response.read()
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_read_timeout_is_idle_time_not_total_time(pool: WirePool) -> None:
+    async def trickle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        for byte in b"12345":
+            await asyncio.sleep(0.1)
+            writer.write(bytes([byte]))
+            await writer.drain()
+        await reader.read()
+
+    async with raw_server(trickle) as server:
+        started = time.monotonic()
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.3)
+        assert await response.read() == b"12345"
+        assert time.monotonic() - started >= 0.45  # longer than the timeout in total
+
+
+async def test_close_before_answer_is_disconnected(pool: WirePool) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+
+    async with raw_server(hang_up) as server:
+        with pytest.raises(Disconnected):
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_close_mid_content_length_body_is_disconnected(pool: WirePool) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+        await writer.drain()
+
+    async with raw_server(cut) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert response.status == 200
+        with pytest.raises(Disconnected):
+            await response.read()
+        assert not response.at_eof()
+        assert pool.connections == 0
+
+
+async def test_close_mid_chunked_body_is_disconnected(pool: WirePool) -> None:
+    async def cut(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+
+    async with raw_server(cut) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        pieces: list[bytes] = []
+        with pytest.raises(Disconnected):
+            async for chunk in response.iter_chunks():
+                pieces.append(chunk)
+        assert pieces == [b"abc"]
+
+
+async def test_garbage_answer_is_bad_response(pool: WirePool) -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"NOT HTTP\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(garbage) as server:
+        with pytest.raises(BadResponse):
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_header_with_line_break_is_refused_and_nothing_sent(pool: WirePool) -> None:
+    received = bytearray()
+
+    async def record(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.extend(await reader.read())
+
+    async with raw_server(record) as server:
+        for name, value in (("X-Evil", "a\r\nInjected: 1"), ("X-Evil", "a\nb"), ("X\r", "v")):
+            with pytest.raises(ValueError, match="line break"):
+                await pool.request("GET", "127.0.0.1", server.port, "/", headers=[(name, value)])
+        await pool.close()  # any connection opened meanwhile ends, so the server sees EOF
+        await server.settle()
+        assert bytes(received) == b""
+
+
+async def test_header_with_line_break_leaves_no_connection_open(pool: WirePool) -> None:
+    async with raw_server(keepalive_ok) as server:
+        with pytest.raises(ValueError):
+            await pool.request("GET", "127.0.0.1", server.port, "/", headers=[("X", "a\r\nb")])
+        await asyncio.sleep(0.05)
+        assert pool.connections == 0
+
+
+async def test_interim_1xx_answer_is_skipped(pool: WirePool) -> None:
+    async def early_hints(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>\r\n\r\n")
+        writer.write(OK_KEEPALIVE)
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(early_hints) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=1.0)
+        assert response.status == 200
+        assert await response.read() == b"ok"
+
+
+# -- streaming both ways ----------------------------------------------------------------
+
+
+async def test_close_before_end_aborts_and_server_notices(pool: WirePool) -> None:
+    gone = asyncio.Event()
+
+    async def ticker(request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse()
+        await out.prepare(request)
+        try:
+            for i in range(200):
+                await out.write(b"tick %d\n" % i)
+                await asyncio.sleep(0.05)
+        except (ConnectionError, asyncio.CancelledError):
+            gone.set()
+            raise
+        return out
+
+    app = web.Application()
+    app.router.add_get("/ticks", ticker)
+    async with web_server(app) as port:
+        response = await pool.request("GET", "127.0.0.1", port, "/ticks", read_timeout=2.0)
+        async with contextlib.aclosing(response.iter_chunks()) as chunks:
+            first = await anext(chunks)
+        assert first.startswith(b"tick 0")
+        started = time.monotonic()
+        async with response:
+            pass
+        await asyncio.wait_for(gone.wait(), 1.0)
+        assert time.monotonic() - started < 1.0
+        assert pool.connections == 0
+        with pytest.raises(Disconnected):
+            await response.read()
+
+
+async def test_large_answer_to_slow_consumer_arrives_intact(pool: WirePool) -> None:
+    payload = os.urandom(4 * 1024 * 1024)
+
+    async def flood(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(flood) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/")
+        await asyncio.sleep(0.2)  # the whole answer could arrive meanwhile, but must not
+        digest = hashlib.sha256()
+        sizes: list[int] = []
+        async for chunk in response.iter_chunks():
+            sizes.append(len(chunk))
+            digest.update(chunk)
+            await asyncio.sleep(0.005)
+        assert digest.digest() == hashlib.sha256(payload).digest()
+        # Reading paused at the high-water mark: what had piled up is far below 4 MiB.
+        assert sizes[0] < 1024 * 1024
+        assert response.at_eof()
+
+
+async def test_read_whole_answer_above_high_water(pool: WirePool) -> None:
+    payload = os.urandom(1024 * 1024)  # the proxy's _SMALL_BODY: it read()s answers this big
+
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(send) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/")
+        assert await asyncio.wait_for(response.read(), 1.0) == payload
+
+
+async def test_paused_reading_is_not_a_read_timeout(pool: WirePool) -> None:
+    payload = os.urandom(1024 * 1024)
+
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(send) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.3)
+        await asyncio.sleep(0.6)
+        received = bytearray()
+        async for chunk in response.iter_chunks():
+            received += chunk
+        assert bytes(received) == payload
+
+
+async def test_streamed_request_body_is_sent_chunked(pool: WirePool) -> None:
+    pieces = [b"a" * 10, os.urandom(100_000), b"", os.urandom(200_000), b"z"]
+
+    async def body() -> AsyncIterator[bytes]:
+        for piece in pieces:
+            yield piece
+            await asyncio.sleep(0)
+
+    async with web_server(echo_app()) as port:
+        response = await pool.request("POST", "127.0.0.1", port, "/upload", body=body())
+        seen = json.loads(await response.read())
+        whole = b"".join(pieces)
+        assert seen["sha256"] == hashlib.sha256(whole).hexdigest()
+        assert seen["length"] == len(whole)
+        assert header_values(seen, "Transfer-Encoding") == ["chunked"]
+        assert header_values(seen, "Content-Length") == []
+
+
+# -- TLS and pool lifetime --------------------------------------------------------------
+
+
+@dataclass
+class Tls:
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    untrusting: ssl.SSLContext
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> Tls:
+    ca = make_ca("Wire Test CA")
+    cert_path, key_path = issue(
+        ca, cn="127.0.0.1", uris=[], eku=[ExtendedKeyUsageOID.SERVER_AUTH], dns=["localhost"]
+    ).write(tmp_path, "server")
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(str(cert_path), str(key_path))
+
+    def client_trusting(pem: bytes) -> ssl.SSLContext:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        context.check_hostname = False
+        context.load_verify_locations(cadata=pem.decode())
+        return context
+
+    return Tls(
+        server=server,
+        client=client_trusting(ca.cert_pem),
+        untrusting=client_trusting(make_ca("Other CA").cert_pem),
+    )
+
+
+async def test_tls_request_works_and_untrusted_ca_is_connect_failed(
+    pool: WirePool, tls: Tls
+) -> None:
+    async with web_server(echo_app(), ssl_context=tls.server) as port:
+        for path in ("/1", "/2"):
+            response = await pool.request("GET", "127.0.0.1", port, path, ssl_context=tls.client)
+            assert response.status == 200
+            assert json.loads(await response.read())["rawPath"] == path
+        assert pool.connections == 1
+        with pytest.raises(ConnectFailed):
+            await pool.request("GET", "127.0.0.1", port, "/", ssl_context=tls.untrusting)
+        assert pool.connections == 1
+
+
+async def test_pool_close_closes_idle_connections_and_refuses_requests(pool: WirePool) -> None:
+    async with raw_server(keepalive_ok) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        assert pool.connections == 1
+        await pool.close()
+        assert pool.connections == 0
+        await eventually(lambda: server.finished == 1)  # the server saw the socket close
+        with pytest.raises(WireError):
+            await pool.request("GET", "127.0.0.1", server.port, "/")
+        assert server.accepted == 1
