@@ -174,13 +174,14 @@ def read_header(model: ModelDefinition, node: Node) -> dict[str, Any]:
         raise agent_error(node, exc) from exc
 
 
-def estimate_for(
-    model: ModelDefinition, placement: Placement, header: dict[str, Any]
-) -> dict[str, Any]:
-    """The estimate's breakdown and the budget admission will use (manual budget first)."""
+def estimate_for(model: ModelDefinition, gpus: int, header: dict[str, Any]) -> dict[str, Any]:
+    """The estimate on ``gpus`` GPUs (0: host memory) and the budget admission will use.
+
+    A manual budget on the model comes first.
+    """
     settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
     try:
-        result = admission.compute_estimate(header, settings, gpus=len(placement.gpu_uuids))
+        result = admission.compute_estimate(header, settings, gpus=gpus)
     except EstimateError as exc:
         raise ServiceError(
             422, "estimate_failed", f"The estimate of '{model.served_name}' failed: {exc}"
@@ -190,7 +191,7 @@ def estimate_for(
         "breakdown": result.to_json(),
         "budgetBytes": budget,
         "budgetSource": "manual" if model.memory_budget_bytes else "estimate",
-        "gpus": len(placement.gpu_uuids),
+        "gpus": gpus,
         "architecture": header.get("architecture"),
         "fileType": header.get("fileType"),
         "file": f"{model.source_folder}/{model.source_file}",
@@ -240,7 +241,7 @@ def model_estimate(model_id: int, *, node_id: str | None = None) -> dict[str, An
     for placement in placements:
         status = node_status(placement.node)
         header = read_header(model, placement.node)
-        estimate = estimate_for(model, placement, header)
+        estimate = estimate_for(model, len(placement.gpu_uuids), header)
         lines = admission_lines(model, placement, estimate, status)
         answers.append(
             {
@@ -277,7 +278,7 @@ def _prepare(model: ModelDefinition, placement: Placement, *, force: bool) -> di
     _require_fencing()
     current = ((status or {}).get("instances") or {}).get(placement.instance_id)
     header = read_header(model, placement.node)
-    estimate = estimate_for(model, placement, header)
+    estimate = estimate_for(model, len(placement.gpu_uuids), header)
     _remember_estimate(model, estimate)
     if current and current.get("state") in ACTIVE:
         # Already running: the agent answers it as it is (a launch is idempotent),

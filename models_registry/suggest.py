@@ -51,18 +51,11 @@ def _budget_and_size(model: ModelDefinition, holders: list[Node]) -> tuple[int |
         except ServiceError:
             continue
         # Estimated for the host memory of one node; a GPU placement adds its CUDA context.
-        computed = lifecycle.estimate_for(model, _Bare(), header)  # type: ignore[arg-type]
+        computed = lifecycle.estimate_for(model, 0, header)
         return int(computed["budgetBytes"]), int(header.get("fileSize") or 0) or None
     budget = model.memory_budget_bytes or estimate.get("budgetBytes")
     size = (estimate.get("breakdown") or {}).get("weights")
     return (int(budget) if budget else None), (int(size) if size else None)
-
-
-class _Bare:
-    """A placement with no GPUs, for estimating before anything is placed."""
-
-    gpu_uuids: list[str] = []
-    gpu_budgets: list[int] = []
 
 
 def suggest_placements(model_id: int) -> dict[str, Any]:
