@@ -64,6 +64,7 @@ urlpatterns = [
     path("api/nodes/<str:node_id>/drain", node_api.NodeAction.as_view(action="drain")),
     path("api/nodes/<str:node_id>/undrain", node_api.NodeAction.as_view(action="undrain")),
     path("api/nodes/<str:node_id>/rekey", node_api.NodeRekey.as_view()),
+    path("api/nodes/<str:node_id>/maintenance", node_api.NodeMaintenance.as_view()),
     path("api/models", model_api.ModelList.as_view()),
     path("api/models/<int:model_id>", model_api.ModelDetail.as_view()),
     path("api/models/<int:model_id>/start", model_api.ModelStart.as_view()),

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
+
 from django.core.validators import RegexValidator
 from django.db import models
+from django.utils import timezone
 
 from mirbad_site.config import NODE_ID_PATTERN
 
@@ -32,6 +35,10 @@ class Node(models.Model):
     approved = models.BooleanField(default=False)
     revoked = models.BooleanField(default=False)
     draining = models.BooleanField(default=False)
+    # A maintenance hold (a benchmark or tuning job, or an operator): /v1 sends no
+    # traffic to the node's replicas until it ends, and answers 503 maintenance.
+    maintenance_until = models.DateTimeField(null=True, blank=True)
+    maintenance_reason = models.CharField(max_length=200, blank=True)
     spki_pin = models.CharField(max_length=64, blank=True, help_text="Base64 SHA-256 of the SPKI")
     pending_pin = models.CharField(max_length=64, blank=True)
     cert_serial = models.CharField(max_length=64, blank=True)
@@ -66,6 +73,13 @@ class Node(models.Model):
     @property
     def enrolled(self) -> bool:
         return bool(self.spki_pin or self.pending_pin)
+
+    def maintenance_left(self, now: datetime.datetime | None = None) -> float:
+        """Seconds left of the maintenance hold, 0 when there is none (or it ran out)."""
+        if self.maintenance_until is None:
+            return 0.0
+        left = (self.maintenance_until - (now or timezone.now())).total_seconds()
+        return left if left > 0 else 0.0
 
     def gpu_reserve(self, uuid: str) -> int:
         """The reserve admission keeps free on one GPU of this node."""

@@ -373,6 +373,49 @@ def set_draining(node_id: str, draining: bool) -> Node:
     return node
 
 
+MAX_MAINTENANCE_SECONDS = 7 * 24 * 3600
+
+
+def start_maintenance(node_id: str, *, seconds: object, reason: object = "") -> Node:
+    """Hold a node for maintenance: /v1 stops routing to it and answers 503 maintenance.
+
+    ``seconds`` is the job's estimate (it becomes the Retry-After); the hold ends by
+    itself when it runs out, or earlier with ``end_maintenance``. Running engines
+    keep running: the holder (a benchmark, a tune, an operator) uses them.
+    """
+    if isinstance(seconds, bool) or not isinstance(seconds, int):
+        raise ServiceError(
+            400, "invalid_request", "seconds: give the hold's length as a whole number of seconds"
+        )
+    if not 1 <= seconds <= MAX_MAINTENANCE_SECONDS:
+        raise ServiceError(
+            400,
+            "invalid_request",
+            f"seconds: {seconds} is out of range; use 1 to {MAX_MAINTENANCE_SECONDS} (7 days)",
+        )
+    if reason is None:
+        reason = ""
+    if not isinstance(reason, str) or len(reason) > 200:
+        raise ServiceError(400, "invalid_request", "reason: give a text of at most 200 characters")
+    node = _node_or_404(node_id)
+    node.maintenance_until = timezone.now() + dt.timedelta(seconds=seconds)
+    node.maintenance_reason = reason.strip()
+    node.save(update_fields=["maintenance_until", "maintenance_reason", "updated_at"])
+    log.info("Node %s held for maintenance for %d s: %s", node_id, seconds, reason or "-")
+    return node
+
+
+def end_maintenance(node_id: str) -> Node:
+    """End a node's maintenance hold (nothing happens when there is none)."""
+    node = _node_or_404(node_id)
+    if node.maintenance_until is not None or node.maintenance_reason:
+        node.maintenance_until = None
+        node.maintenance_reason = ""
+        node.save(update_fields=["maintenance_until", "maintenance_reason", "updated_at"])
+        log.info("Node %s maintenance ended", node_id)
+    return node
+
+
 def announce(node: Node) -> None:
     """Publish a node's registry change (approved, revoked, draining) to the console."""
     from asgiref.sync import async_to_sync

@@ -44,6 +44,8 @@ def overview(request: HttpRequest) -> HttpResponse:
                 "approved": node.approved,
                 "revoked": node.revoked,
                 "draining": node.draining,
+                "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
+                "maintenance_reason": node.maintenance_reason,
                 "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
                 "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
                 "cpu": (status.get("telemetry") or {}).get("cpuPercent"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 
@@ -64,6 +65,16 @@ def node_offline(name: str, node: str) -> V1Error:
         "node_offline",
         f"The node '{node}' serving model '{name}' is offline.",
         retry_after=30,
+    )
+
+
+def maintenance(name: str, node: str, seconds_left: float, reason: str) -> V1Error:
+    why = f" ({reason})" if reason else ""
+    return V1Error(
+        503,
+        "maintenance",
+        f"The node '{node}' serving model '{name}' is held for maintenance{why}.",
+        retry_after=max(1, math.ceil(seconds_left)),
     )
 
 

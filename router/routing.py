@@ -142,6 +142,8 @@ class RoutingTable:
     async def _ready(self, route: Route) -> list[Replica]:
         out = []
         for replica in route.replicas:
+            if replica.node.maintenance_until is not None and replica.node.maintenance_left():
+                continue  # held by a job or an operator: no traffic until it ends
             status = await self.status(replica.node.node_id)
             if status is None or status.get("state") not in (
                 NodeState.ONLINE.value,
@@ -163,7 +165,14 @@ class RoutingTable:
             return random.choice(
                 [r for r in ready if self.in_flight.get(r.instance_id, 0) == least]
             )
-        # Nothing ready: say why, from the first replica's node.
+        # Nothing ready: say why. A maintenance hold first: it says when to come back.
+        held = [r.node for r in route.replicas if r.node.maintenance_until is not None]
+        held = [n for n in held if n.maintenance_left()]
+        if held:
+            node = min(held, key=lambda n: n.maintenance_left())
+            raise errors.maintenance(
+                route.served_name, node.node_id, node.maintenance_left(), node.maintenance_reason
+            )
         first = route.replicas[0]
         status = await self.status(first.node.node_id)
         state = status.get("state") if status else NodeState.OFFLINE.value

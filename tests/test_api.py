@@ -20,6 +20,8 @@ ENDPOINTS = [
     ("post", "/api/nodes/n1/drain"),
     ("post", "/api/nodes/n1/undrain"),
     ("post", "/api/nodes/n1/rekey"),
+    ("post", "/api/nodes/n1/maintenance"),
+    ("delete", "/api/nodes/n1/maintenance"),
     ("post", "/api/join-tokens"),
     ("post", "/api/takeover"),
     ("get", "/api/models"),

@@ -31,6 +31,7 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "approved": node.approved,
         "revoked": node.revoked,
         "draining": node.draining,
+        "maintenance": _maintenance_json(node),
         "bootstrap": node.is_bootstrap,
         "enrolled": node.enrolled,
         "state": node_state(node, status),
@@ -84,6 +85,43 @@ class NodeDetail(APIView):
             unknown=sorted(set(body) - {"memoryReserveBytes", "gpuReserves"}),
         )
         return Response(node_json(node, status_cache.read(node_id)))
+
+
+def _maintenance_json(node: Node) -> dict[str, Any] | None:
+    left = node.maintenance_left()
+    if not left or node.maintenance_until is None:
+        return None
+    return {
+        "until": node.maintenance_until.isoformat().replace("+00:00", "Z"),
+        "secondsLeft": int(left),
+        "reason": node.maintenance_reason,
+    }
+
+
+class NodeMaintenance(APIView):
+    """POST /api/nodes/{id}/maintenance {"seconds": N, "reason": "..."}; DELETE ends it."""
+
+    def post(self, request: Request, node_id: str) -> Response:
+        body = request.data if isinstance(request.data, dict) else None
+        if body is None:
+            raise ServiceError(400, "invalid_request", "The body must be a JSON object.")
+        unknown = sorted(set(body) - {"seconds", "reason"})
+        if unknown:
+            raise ServiceError(
+                400,
+                "invalid_request",
+                f"Unknown field(s): {', '.join(unknown)}; use seconds, reason.",
+            )
+        node = services.start_maintenance(
+            node_id, seconds=body.get("seconds"), reason=body.get("reason", "")
+        )
+        services.announce(node)
+        return Response(node_json(node, _status_of(node)))
+
+    def delete(self, request: Request, node_id: str) -> Response:
+        node = services.end_maintenance(node_id)
+        services.announce(node)
+        return Response(node_json(node, _status_of(node)))
 
 
 def _status_of(node: Node) -> status_cache.NodeStatus | None:
