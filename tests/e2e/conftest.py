@@ -8,6 +8,7 @@ left behind that belongs to that directory.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -18,10 +19,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 import psutil
 import pytest
+
+from agent import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,6 +51,38 @@ def llama_server_or_fail() -> Path:
     pytest.skip(message)
 
 
+def outside_env() -> dict[str, str]:
+    """This process's environment without any MIRBAD_ setting."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+
+
+def install_llama_server(runtimes: Path, env: dict[str, str]) -> Path:
+    """Lay out llama-server under ``runtimes`` with ``env``; returns its manifest."""
+    subprocess.run(
+        [sys.executable, "-m", "agent", "install-llama-server", "--runtimes-dir", str(runtimes)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    return next(runtimes.glob("llama.cpp/*/manifest.json"))
+
+
+def run_join(
+    env: dict[str, str], join: dict[str, Any], state: Path, address: str
+) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m agent join`` with the token, URL, CA hash and node id of ``join``."""
+    return subprocess.run(
+        [
+            sys.executable, "-m", "agent", "join",
+            "--enroll-url", join["enrollUrl"], "--ca-hash", join["caHash"],
+            "--node-id", join["nodeId"], "--state-dir", str(state), "--address", address,
+        ],
+        cwd=ROOT, env={**env, "MIRBAD_JOIN_TOKEN": join["token"]},
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+
+
 class Stack:
     def __init__(self, data: Path, env: dict[str, str]) -> None:
         self.data = data
@@ -58,6 +95,17 @@ class Stack:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def api(self, key: str, timeout: float = 60) -> httpx.Client:
+        """An httpx client for this stack that sends ``key`` as its bearer token."""
+        return httpx.Client(
+            base_url=self.url, headers={"Authorization": f"Bearer {key}"}, timeout=timeout
+        )
+
+    def prepare_local_model(self) -> None:
+        """Install llama-server for the local agent and write the tiny GGUF to models/tiny."""
+        install_llama_server(self.data / "agent" / "runtimes", self.env)
+        write_tiny_gguf(self.data / "models" / "tiny" / "tiny.gguf")
 
     def start(self, *args: str, timeout: float = 240.0) -> dict[str, str]:
         self.lines = []
@@ -162,7 +210,7 @@ def make_stack(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
 
     def build(*, embedded: bool) -> Stack:
         data = tmp_path / f"var{len(stacks)}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+        env = outside_env()
         env.update(
             {
                 "MIRBAD_DATA_PATH": str(data),
@@ -217,47 +265,40 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
+def create_and_start(api: httpx.Client, body: dict[str, Any], *, timeout: float = 60) -> int:
+    """Create a model from ``body``, start it and wait until it is Ready; returns its id."""
+    created = api.post("/api/models", json=body)
+    assert created.status_code == 201, created.text
+    model_id = created.json()["id"]
+    started = api.post(f"/api/models/{model_id}/start")
+    assert started.status_code == 202, started.text
+    wait_for(
+        lambda: api.get(f"/api/models/{model_id}").json()["state"] == "Ready", timeout, "Ready"
+    )
+    return model_id
+
+
 def join_agent(
-    api: object, stack: Stack, folder: Path, node_id: str, ip: str
+    api: httpx.Client, stack: Stack, folder: Path, node_id: str, ip: str
 ) -> tuple[subprocess.Popen[bytes], Path]:
     """Join one more real agent on ``ip`` with a token, with llama-server; not yet approved.
 
     Returns the agent process and its models root. ``api`` is an httpx client with
     an admin key.
     """
-    import json
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+    env = outside_env()
     runtimes = folder / "runtimes"
-    if not runtimes.exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "agent",
-                "install-llama-server",
-                "--runtimes-dir",
-                str(runtimes),
-            ],
-            cwd=ROOT,
-            env={**env, "MIRBAD_BUILD_CACHE": stack.env["MIRBAD_BUILD_CACHE"]},
-            check=True,
-            stdout=subprocess.DEVNULL,
+    if runtimes.exists():  # a second agent in the same folder shares the first one's install
+        manifest = next(runtimes.glob("llama.cpp/*/manifest.json"))
+    else:
+        manifest = install_llama_server(
+            runtimes, {**env, "MIRBAD_BUILD_CACHE": stack.env["MIRBAD_BUILD_CACHE"]}
         )
-    manifest = next(runtimes.glob("llama.cpp/*/manifest.json"))
     port = free_port()
     address = f"https://{ip}:{port}"
-    join = api.post("/api/join-tokens", json={"nodeId": node_id}).json()  # type: ignore[attr-defined]
+    join = api.post("/api/join-tokens", json={"nodeId": node_id}).json()
     state = folder / node_id / "state"
-    joined = subprocess.run(
-        [
-            sys.executable, "-m", "agent", "join",
-            "--enroll-url", join["enrollUrl"], "--ca-hash", join["caHash"],
-            "--node-id", node_id, "--state-dir", str(state), "--address", address,
-        ],
-        cwd=ROOT, env={**env, "MIRBAD_JOIN_TOKEN": join["token"]},
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
+    joined = run_join(env, join, state, address)
     assert joined.returncode == 0, joined.stdout + joined.stderr
     models = folder / node_id / "models"
     models.mkdir(parents=True, exist_ok=True)

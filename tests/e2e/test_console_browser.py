@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import ROOT, llama_server_or_fail
+from tests.e2e.conftest import llama_server_or_fail
 from tests.fakehub import FakeHub
 
 pytestmark = pytest.mark.slow
@@ -37,23 +34,14 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
 
     llama_server_or_fail()
     stack = make_stack(embedded=False)
-    subprocess.run(
-        [
-            sys.executable, "-m", "agent", "install-llama-server",
-            "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
-        ],
-        cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    from agent import write_tiny_gguf
-
-    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    stack.prepare_local_model()
     hub = FakeHub().start()
     request.addfinalizer(hub.stop)
     stack.env["HF_ENDPOINT"] = hub.url
     facts = stack.start()
     user, password = facts["Admin"].split(" ", 1)
     key = facts["API key"]
-    api = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    api = stack.api(key, timeout=30)
 
     with sync_playwright() as pw:
         browser = pw.chromium.launch(

@@ -18,9 +18,7 @@ pytestmark = pytest.mark.slow
 def test_monitor_restart_standby_stale_master_and_takeover(make_stack) -> None:
     stack = make_stack(embedded=False)
     facts = stack.start()
-    api = httpx.Client(
-        base_url=stack.url, headers={"Authorization": f"Bearer {facts['API key']}"}, timeout=30
-    )
+    api = stack.api(facts["API key"], timeout=30)
     master_json = stack.data / "master.json"
 
     def epoch() -> int:

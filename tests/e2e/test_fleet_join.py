@@ -3,41 +3,23 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port, wait_for
+from tests.e2e.conftest import ROOT, free_port, outside_env, run_join, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def _join(
-    env: dict[str, str], token: str, join: dict, state: Path, address: str
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [
-            sys.executable, "-m", "agent", "join",
-            "--enroll-url", join["enrollUrl"], "--ca-hash", join["caHash"],
-            "--node-id", join["nodeId"], "--state-dir", str(state), "--address", address,
-        ],
-        cwd=ROOT, env={**env, "MIRBAD_JOIN_TOKEN": token},
-        capture_output=True, text=True, timeout=60, check=False,
-    )  # fmt: skip
 
 
 def test_join_approve_revoke(make_stack, tmp_path: Path) -> None:
     stack = make_stack(embedded=False)
     facts = stack.start()
-    api = httpx.Client(
-        base_url=stack.url, headers={"Authorization": f"Bearer {facts['API key']}"}, timeout=30
-    )
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+    api = stack.api(facts["API key"], timeout=30)
+    env = outside_env()
     agents: list[subprocess.Popen[bytes]] = []
     try:
         for node_id, ip in (("edge-a", "127.0.0.2"), ("edge-b", "127.0.0.3")):
@@ -45,14 +27,14 @@ def test_join_approve_revoke(make_stack, tmp_path: Path) -> None:
             port = free_port()
             address = f"https://{ip}:{port}"
             state = tmp_path / node_id
-            joined = _join(env, join["token"], join, state, address)
+            joined = run_join(env, join, state, address)
             assert joined.returncode == 0, joined.stdout + joined.stderr
             assert join["token"] not in joined.stdout + joined.stderr
             node = api.get(f"/api/nodes/{node_id}").json()
             assert node["state"] == "PendingApproval"
             assert node["fingerprint"].removeprefix("SHA256:") in joined.stdout
             # The same token a second time: refused, with the master's reason.
-            again = _join(env, join["token"], join, tmp_path / f"{node_id}-again", address)
+            again = run_join(env, join, tmp_path / f"{node_id}-again", address)
             assert again.returncode != 0 and "already used" in again.stdout + again.stderr
             config = tmp_path / f"{node_id}.json"
             config.write_text(

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,7 @@ import httpx
 import pytest
 
 from agent import write_tiny_gguf
-from tests.e2e.conftest import ROOT, llama_server_or_fail, wait_for
+from tests.e2e.conftest import install_llama_server, llama_server_or_fail, wait_for
 from tests.fakehub import FakeHub
 
 pytestmark = pytest.mark.slow
@@ -42,18 +40,10 @@ def test_download_admit_serve_restart_and_fail(make_stack, tmp_path: Path) -> No
         hub.add_repo(REPO, {"tiny-Q8_0.gguf": gguf_bytes, "README.md": b"# tiny\n"})
         stack = make_stack(embedded=False)
         stack.env["HF_ENDPOINT"] = hub.url
-        subprocess.run(
-            [
-                sys.executable, "-m", "agent", "install-llama-server",
-                "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
-            ],
-            cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
+        install_llama_server(stack.data / "agent" / "runtimes", stack.env)
         facts = stack.start()
         key = facts["API key"]
-        api = httpx.Client(
-            base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
-        )
+        api = stack.api(key, timeout=60)
         try:
             run(stack, api, hub, key)
         except BaseException:

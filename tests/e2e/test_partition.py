@@ -21,7 +21,17 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import ROOT, free_port, llama_server_or_fail, wait_for
+from agent import write_tiny_gguf
+from tests.e2e.conftest import (
+    ROOT,
+    create_and_start,
+    free_port,
+    install_llama_server,
+    llama_server_or_fail,
+    outside_env,
+    run_join,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,19 +71,11 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
     stack = make_stack(embedded=False)
     facts = stack.start()
     key = facts["API key"]
-    api = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
-    runtimes = tmp_path / "runtimes"
-    subprocess.run(
-        [sys.executable, "-m", "agent", "install-llama-server", "--runtimes-dir", str(runtimes)],
-        cwd=ROOT,
-        env={**env, "MIRBAD_BUILD_CACHE": stack.env["MIRBAD_BUILD_CACHE"]},
-        check=True,
-        stdout=subprocess.DEVNULL,
+    api = stack.api(key, timeout=30)
+    env = outside_env()
+    manifest = install_llama_server(
+        tmp_path / "runtimes", {**env, "MIRBAD_BUILD_CACHE": stack.env["MIRBAD_BUILD_CACHE"]}
     )
-    manifest = next(runtimes.glob("llama.cpp/*/manifest.json"))
-    from agent import write_tiny_gguf
-
     models = tmp_path / "models"
     write_tiny_gguf(models / "tiny" / "tiny.gguf")
 
@@ -81,30 +83,7 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
     address = f"https://{netns['ns_ip']}:{port}"
     join = api.post("/api/join-tokens", json={"nodeId": "part-a"}).json()
     state = tmp_path / "state"
-    joined = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "agent",
-            "join",
-            "--enroll-url",
-            join["enrollUrl"],
-            "--ca-hash",
-            join["caHash"],
-            "--node-id",
-            "part-a",
-            "--state-dir",
-            str(state),
-            "--address",
-            address,
-        ],
-        cwd=ROOT,
-        env={**env, "MIRBAD_JOIN_TOKEN": join["token"]},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    joined = run_join(env, join, state, address)
     assert joined.returncode == 0, joined.stderr
     config = tmp_path / "agent.json"
     config.write_text(
@@ -153,19 +132,15 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
     try:
         assert api.post("/api/nodes/part-a/approve").status_code == 200
         wait_for(lambda: api.get("/api/nodes/part-a").json()["state"] == "Online", 30, "Online")
-        model = api.post(
-            "/api/models",
-            json={
+        model_id = create_and_start(
+            api,
+            {
                 "servedName": "part",
                 "sourceFolder": "tiny",
                 "sourceFile": "tiny.gguf",
                 "settings": {"context_size": 256, "gpu_layers": 0},
                 "node": "part-a",
             },
-        ).json()
-        assert api.post(f"/api/models/{model['id']}/start").status_code == 202
-        wait_for(
-            lambda: api.get(f"/api/models/{model['id']}").json()["state"] == "Ready", 60, "Ready"
         )
 
         def chat() -> httpx.Response:
@@ -227,9 +202,7 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
             return node["state"] == "Online" and node["bootId"] not in (None, old_boot)
 
         wait_for(back, 45, "the restarted agent Online")
-        wait_for(
-            lambda: api.get(f"/api/models/{model['id']}").json()["state"] == "Ready", 30, "Ready"
-        )
+        wait_for(lambda: api.get(f"/api/models/{model_id}").json()["state"] == "Ready", 30, "Ready")
         assert engine_pids() == engines, "the engine was adopted, not restarted"
         answer = chat()
         assert answer.status_code == 200, answer.text
@@ -239,9 +212,7 @@ def test_partition_heal_and_agent_kill(make_stack, netns, tmp_path: Path) -> Non
         assert stack.stop() == 0
         stack.start()
         wait_for(lambda: api.get("/api/nodes/part-a").json()["state"] == "Online", 45, "rejoined")
-        wait_for(
-            lambda: api.get(f"/api/models/{model['id']}").json()["state"] == "Ready", 30, "Ready"
-        )
+        wait_for(lambda: api.get(f"/api/models/{model_id}").json()["state"] == "Ready", 30, "Ready")
         assert engine_pids() == engines
         assert chat().status_code == 200
     finally:

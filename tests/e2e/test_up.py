@@ -12,7 +12,7 @@ import openai
 import psutil
 import pytest
 
-from tests.e2e.conftest import llama_server_or_fail, wait_for
+from tests.e2e.conftest import create_and_start, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -108,27 +108,13 @@ def test_model_via_api_then_agent_killed(make_stack) -> None:
     """The issue's end-to-end path, against the configured PostgreSQL and Redis in CI."""
     llama_server_or_fail()
     stack = make_stack(embedded=False)
-    runtimes = stack.data / "agent" / "runtimes"
-    import sys
-
-    from tests.e2e.conftest import ROOT
-
-    subprocess.run(
-        [sys.executable, "-m", "agent", "install-llama-server", "--runtimes-dir", str(runtimes)],
-        cwd=ROOT,
-        env=stack.env,
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    from agent import write_tiny_gguf
-
-    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    stack.prepare_local_model()
     facts = stack.start()
     key = facts["API key"]
-    api = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
-    created = api.post(
-        "/api/models",
-        json={
+    api = stack.api(key, timeout=30)
+    create_and_start(
+        api,
+        {
             "servedName": "tiny",
             "sourceFolder": "tiny",
             "sourceFile": "tiny.gguf",
@@ -136,11 +122,6 @@ def test_model_via_api_then_agent_killed(make_stack) -> None:
             "node": "local",
         },
     )
-    assert created.status_code == 201, created.text
-    model_id = created.json()["id"]
-    started = api.post(f"/api/models/{model_id}/start")
-    assert started.status_code == 202, started.text
-    wait_for(lambda: api.get(f"/api/models/{model_id}").json()["state"] == "Ready", 60, "Ready")
 
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key)
     stream = client.chat.completions.create(

@@ -2,7 +2,8 @@
 
 Every answer an application can meet is provoked for real: chat streamed and
 not, completions, embeddings with and without ``dimensions`` (float and
-base64), 401/403/404, a stopped engine, an Offline node, bodies of 64 MiB + 1
+base64), 401/403/404, a stopped engine, a node held for maintenance, an Offline
+node, bodies of 64 MiB + 1
 byte with Content-Length and chunked, a key over its limit, a replica killed
 while requests keep coming (the other one takes them), and a streamed response
 whose client goes away (the engine's request is cancelled).
@@ -14,8 +15,6 @@ import base64
 import math
 import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ import psutil
 import pytest
 
 from agent import write_tiny_gguf
-from tests.e2e.conftest import ROOT, join_agent, llama_server_or_fail, wait_for
+from tests.e2e.conftest import join_agent, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -62,17 +61,9 @@ def error_of(exc: openai.APIStatusError) -> dict[str, Any]:
 def test_openai_client_against_the_fleet(make_stack, tmp_path: Path) -> None:
     llama_server_or_fail()
     stack = make_stack(embedded=False)
-    subprocess.run(
-        [
-            sys.executable, "-m", "agent", "install-llama-server",
-            "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
-        ],
-        cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    stack.prepare_local_model()
     facts = stack.start()
-    admin = facts["API key"]
-    api = httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {admin}"}, timeout=60)
+    api = stack.api(facts["API key"], timeout=60)
     edge, edge_models = join_agent(api, stack, tmp_path, "edge-a", "127.0.0.2")
     try:
         write_tiny_gguf(edge_models / "tiny" / "tiny.gguf")
@@ -271,6 +262,27 @@ def run(stack: Any, api: httpx.Client, edge: Any, edge_logs: Any) -> None:
         15,
         "llama-server to log the cancelled task",
     )
+
+    # -- a node held for maintenance: 503 with the hold's time left, the other replica serves
+    held = api.post("/api/nodes/edge-a/maintenance", json={"seconds": 120, "reason": "e2e tune"})
+    assert held.status_code == 200, held.text
+
+    def maintenance_answer() -> openai.APIStatusError | None:
+        try:
+            client.chat.completions.create(model="edge-only", messages=CHAT, max_tokens=2)
+        except openai.APIStatusError as exc:
+            return exc
+        return None
+
+    wait_for(lambda: maintenance_answer() is not None, 5, "routers to see the hold")
+    answer = maintenance_answer()
+    assert answer is not None and answer.status_code == 503
+    assert error_of(answer)["code"] == "maintenance" and "e2e tune" in error_of(answer)["message"]
+    assert 1 <= int(answer.response.headers["retry-after"]) <= 120
+    for _ in range(5):  # the shared name goes to the replica that is not held
+        client.chat.completions.create(model="tiny-chat", messages=CHAT, max_tokens=2)
+    assert api.delete("/api/nodes/edge-a/maintenance").status_code == 200
+    wait_for(lambda: maintenance_answer() is None, 5, "routers to see the hold end")
 
     # -- a stopped engine, then an Offline node --------------------------------------------
     assert api.post(f"/api/models/{emb_id}/stop").status_code == 200

@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent import write_tiny_gguf
-from tests.e2e.conftest import ROOT, free_port, llama_server_or_fail, wait_for
+from tests.e2e.conftest import ROOT, create_and_start, free_port, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -19,31 +18,18 @@ pytestmark = pytest.mark.slow
 def test_rpm_holds_across_two_router_processes(make_stack, tmp_path: Path) -> None:
     llama_server_or_fail()
     stack = make_stack(embedded=False)
-    subprocess.run(
-        [
-            sys.executable, "-m", "agent", "install-llama-server",
-            "--runtimes-dir", str(stack.data / "agent" / "runtimes"),
-        ],
-        cwd=ROOT, env=stack.env, check=True, stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    write_tiny_gguf(stack.data / "models" / "tiny" / "tiny.gguf")
+    stack.prepare_local_model()
     facts = stack.start()
-    api = httpx.Client(
-        base_url=stack.url, headers={"Authorization": f"Bearer {facts['API key']}"}, timeout=60
-    )
-    created = api.post(
-        "/api/models",
-        json={
+    api = stack.api(facts["API key"], timeout=60)
+    create_and_start(
+        api,
+        {
             "servedName": "tiny",
             "sourceFolder": "tiny",
             "sourceFile": "tiny.gguf",
             "settings": {"context_size": 256, "gpu_layers": 0},
             "node": "local",
         },
-    ).json()
-    assert api.post(f"/api/models/{created['id']}/start").status_code == 202
-    wait_for(
-        lambda: api.get(f"/api/models/{created['id']}").json()["state"] == "Ready", 60, "Ready"
     )
     key = api.post("/api/keys", json={"name": "six", "scopes": ["chat"], "rpmLimit": 6}).json()
 
