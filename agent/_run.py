@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -42,6 +43,7 @@ async def serve(
     server = AgentServer(config=config, identity=identity)
     try:
         await server.start()
+        gc.freeze()  # what start-up loaded stays; collections walk only what requests make
         await stop.wait()
         log.info("Stopping (signal received)")
     finally:

@@ -283,15 +283,21 @@ class WireResponse:
         self._buffered = 0
         return data
 
+    def take_buffered(self) -> bytes:
+        """What of the body has arrived and was not taken yet, without waiting (maybe b"")."""
+        if not self._chunks:
+            return b""
+        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        self._resume()
+        return data
+
     async def iter_chunks(self) -> AsyncIterator[bytes]:
         """Everything that arrived since the last step, as soon as it arrives."""
         while True:
             if self._chunks:
-                data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-                self._chunks.clear()
-                self._buffered = 0
-                self._resume()
-                yield data
+                yield self.take_buffered()
                 continue
             if self.done:
                 if self._error is not None:

@@ -36,7 +36,7 @@ end
 """
 
 
-def chat_body(model: str, *, stream: bool) -> dict[str, Any]:
+def chat_body(model: str, *, stream: bool, chunk_ms: float | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": "Hello"}],
@@ -45,6 +45,8 @@ def chat_body(model: str, *, stream: bool) -> dict[str, Any]:
     if stream:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
+        if chunk_ms:
+            body["x_stub_chunk_ms"] = chunk_ms  # the stub's pace; see bench/stub_engine.py
     return body
 
 
@@ -176,9 +178,9 @@ async def _one_stream(
 
 
 async def _streams(
-    url: str, headers: dict[str, str], model: str, count: int, warmup: int
+    url: str, headers: dict[str, str], model: str, count: int, warmup: int, chunk_ms: float | None
 ) -> StreamResult:
-    payload = json.dumps(chat_body(model, stream=True)).encode()
+    payload = json.dumps(chat_body(model, stream=True, chunk_ms=chunk_ms)).encode()
     headers = {"Content-Type": "application/json", **headers}
     connector = aiohttp.TCPConnector(limit=1, keepalive_timeout=30)
     ttfc: list[float] = []
@@ -220,10 +222,19 @@ async def _streams(
 
 
 def run_streams(
-    url: str, headers: dict[str, str], *, model: str, count: int, warmup: int = 20
+    url: str,
+    headers: dict[str, str],
+    *,
+    model: str,
+    count: int,
+    warmup: int = 20,
+    chunk_ms: float | None = None,
 ) -> StreamResult:
-    """``count`` sequential streamed requests on one keep-alive connection."""
-    return asyncio.run(_streams(url, headers, model, count, warmup))
+    """``count`` sequential streamed requests on one keep-alive connection.
+
+    ``chunk_ms`` asks the stub to space its chunks (a token rate); None: back to back.
+    """
+    return asyncio.run(_streams(url, headers, model, count, warmup, chunk_ms))
 
 
 async def _check(url: str, headers: dict[str, str], model: str) -> str | None:

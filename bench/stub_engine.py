@@ -9,7 +9,8 @@ else is accepted and ignored) and answers, on HTTP/1.1 with keep-alive:
 - ``POST /v1/chat/completions`` and ``/v1/completions``: without ``"stream": true`` a
   fixed JSON answer with a usage block; with it, ``max_tokens`` (default 16, at most
   1024) fixed SSE chunks, one HTTP chunk and one write each, then a usage chunk when
-  ``stream_options.include_usage`` is true, then ``data: [DONE]``.
+  ``stream_options.include_usage`` is true, then ``data: [DONE]``. The chunks go out
+  back to back, or ``x_stub_chunk_ms`` apart when the body sets that (a token rate).
 
 Nothing is computed per request beyond parsing the JSON body, so the stub is the same
 constant cost behind every path the benchmark compares. It is a raw asyncio protocol
@@ -34,6 +35,9 @@ import httptools
 DEFAULT_CHUNKS = 16
 MAX_CHUNKS = 1024
 PROMPT_TOKENS = 12
+# A request field (ignored by real engines) for the time between chunks in ms; absent,
+# the chunks go out back to back, each in its own write.
+PACE_FIELD = "x_stub_chunk_ms"
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found"}
 
@@ -266,10 +270,14 @@ class StubProtocol(asyncio.Protocol):
         tokens = min(tokens, MAX_CHUNKS)
         options = data.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
+        gap = data.get(PACE_FIELD)
+        pace = gap / 1000 if isinstance(gap, int | float) and 0 < gap <= 1000 else 0.0
         self.streaming = True
-        asyncio.get_running_loop().create_task(self._send_stream(req.keep_alive, tokens, usage))
+        asyncio.get_running_loop().create_task(
+            self._send_stream(req.keep_alive, tokens, usage, pace)
+        )
 
-    async def _send_stream(self, keep_alive: bool, tokens: int, usage: bool) -> None:
+    async def _send_stream(self, keep_alive: bool, tokens: int, usage: bool, pace: float) -> None:
         answers = self.answers
         try:
             if self.transport is None:
@@ -281,11 +289,11 @@ class StubProtocol(asyncio.Protocol):
                 + answers.first
             )
             for _ in range(tokens - 2):
-                await asyncio.sleep(0)  # a write per chunk, as an engine produces them
+                await asyncio.sleep(pace)  # a write per chunk, as an engine produces them
                 if self.transport is None:
                     return
                 self.transport.write(answers.middle)
-            await asyncio.sleep(0)
+            await asyncio.sleep(pace)
             if self.transport is None:
                 return
             tail = answers.last if tokens > 1 else b""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import time
@@ -179,6 +180,10 @@ class RouterApp:
         while True:
             message = await receive()
             if message["type"] == "lifespan.startup":
+                # Everything loaded so far (Django, the apps, their modules) lives as long
+                # as the process: out of the collector's sight, a full collection walks
+                # only what requests allocate (it took hundreds of ms at c=64, bench p99).
+                gc.freeze()
                 self.listener.start()
                 self.meter.start()
                 self.limiter().start()  # renews the leases of long requests' slots
@@ -516,6 +521,15 @@ async def _stream(
     ``feed`` sees every chunk and returns what to forward now (the SSE filter may
     hold back an incomplete event, never more); ``close`` returns what it held.
     """
+
+    # What came with the headers goes out right behind ours, before any task switch:
+    # the client then gets both in one read instead of waking twice (measured on the
+    # paced streams of bench/router.py).
+    first = response.take_buffered()
+    if first:
+        out = feed(first)
+        if out:
+            await send({"type": "http.response.body", "body": out, "more_body": True})
 
     async def pump() -> None:
         async for chunk in response.iter_chunks():

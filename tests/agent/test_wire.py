@@ -242,6 +242,28 @@ async def test_chunked_answer_streams_pieces_as_they_arrive(pool: WirePool) -> N
         assert pool.connections == 1  # chunked framing ends the answer: kept alive
 
 
+async def test_take_buffered_hands_over_what_came_with_the_headers(pool: WirePool) -> None:
+    more = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        # Headers and the first piece in one write, as llama-server sends an SSE start.
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await writer.drain()
+        await asyncio.wait_for(more.wait(), 5)
+        writer.write(b"4\r\nnext\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert response.take_buffered() == b"first"  # no wait: it is already here
+        assert response.take_buffered() == b""  # nothing more yet, and still no wait
+        more.set()
+        assert b"".join([c async for c in response.iter_chunks()]) == b"next"
+        assert response.at_eof()
+
+
 async def test_answer_until_close_is_read_whole_and_not_reused(pool: WirePool) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time as _time
+from collections.abc import Callable
 
 import pytest
 
@@ -45,3 +47,55 @@ async def test_redis_errors_fall_back_then_refuse(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(V1Error) as caught:
         await table.status("n2")  # never read: nothing to fall back on
     assert caught.value.status == 503 and caught.value.code == "server_busy"
+
+
+def _slow_loader(
+    calls: list[str], answers: dict[str, object], delay: float = 0.05
+) -> Callable[[str], object]:
+
+    def load(name: str) -> object:
+        calls.append(name)
+        value = answers.get(name)  # read first: a change after this is not in the answer
+        _time.sleep(delay)  # a slow database: requests keep arriving while it runs
+        return value
+
+    return load
+
+
+async def test_route_misses_share_one_query(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    monkeypatch.setattr(routing, "_load_route", _slow_loader(calls, {"m": "route-m"}))
+    table = routing.RoutingTable()
+    answers = await asyncio.gather(*(table.route("m") for _ in range(64)))
+    assert calls == ["m"] and set(answers) == {"route-m"}
+
+
+async def test_an_expired_route_is_served_while_one_refresh_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[str] = []
+    answers = {"m": "old"}
+    monkeypatch.setattr(routing, "_load_route", _slow_loader(calls, answers))
+    table = routing.RoutingTable()
+    assert await table.route("m") == "old"
+    table._routes["m"] = (0.0, "old")  # expired
+    answers["m"] = "new"
+    # Every request gets the stale answer at once; one query replaces it behind them.
+    assert await asyncio.gather(*(table.route("m") for _ in range(64))) == ["old"] * 64
+    await asyncio.sleep(0.2)
+    assert calls == ["m", "m"] and await table.route("m") == "new"
+
+
+async def test_a_change_during_a_query_discards_its_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    answers: dict[str, object] = {"k": "valid key"}
+    monkeypatch.setattr(routing.keys, "lookup", _slow_loader(calls, answers, delay=0.2))
+    table = routing.RoutingTable()
+    first = asyncio.ensure_future(table._cached(table._keys, "k", 10.0, routing.keys.lookup))
+    await asyncio.sleep(0.05)  # the query has read the key; now it is revoked
+    answers["k"] = None
+    table.invalidate({"kind": "keys"})
+    assert await first == "valid key"  # the request that asked before the change
+    assert "k" not in table._keys  # ...but its answer is not cached
+    assert await table._cached(table._keys, "k", 10.0, routing.keys.lookup) is None
+    assert calls == ["k", "k"]
