@@ -96,6 +96,15 @@ from redis.exceptions import NoScriptError, RedisError
 
 from router import errors
 from router.keys import KeyInfo
+from router.limit_script import (
+    FULL_RPM,
+    FULL_SLOTS,
+    SYNC,
+    leases_key,
+    rpm_key,
+    slots_key,
+    tpm_key,
+)
 
 log = logging.getLogger("mirbad.router.limits")
 
@@ -114,87 +123,7 @@ REFILL_TARGET = 1.0
 # A key's books are dropped after this long without requests (nothing held).
 FORGET_AFTER = 2 * WINDOW_TTL
 
-# KEYS: rpm window, tpm window, previous tpm window, lease deadlines (zset),
-#       lease slot counts (hash).
-# ARGV: 1 rpm limit, 2 permits wanted (< 0: given back), 3 tpm limit,
-#       4 tokens for this window, 5 tokens for the previous one, 6 concurrency limit,
-#       7 slots this lease should hold (-1: leave the lease alone), 8 now,
-#       9 lease deadline, 10 lease id, 11 window ttl, 12 lease ttl,
-#       13 '1' when requests wait on the answer (refusals and growth apply).
-# Returns {code, permits granted, rpm count, tpm count, lease slots before,
-#          lease slots after, slots of all leases}; code 0 ok, 1 rpm, 2 tpm,
-#          3 concurrency (nothing granted).
-_SYNC = """
-local rpm_limit = tonumber(ARGV[1])
-local want = tonumber(ARGV[2])
-local tpm_limit = tonumber(ARGV[3])
-local conc_limit = tonumber(ARGV[6])
-local target = tonumber(ARGV[7])
-local need = ARGV[13] == '1'
-local tpm = 0
-local add = tonumber(ARGV[4])
-if add > 0 then
-  tpm = redis.call('INCRBY', KEYS[2], add)
-  redis.call('EXPIRE', KEYS[2], ARGV[11])
-elseif tpm_limit > 0 then
-  tpm = tonumber(redis.call('GET', KEYS[2]) or '0')
-end
-local late = tonumber(ARGV[5])
-if late > 0 then
-  redis.call('INCRBY', KEYS[3], late)
-  redis.call('EXPIRE', KEYS[3], ARGV[11])
-end
-local rpm = 0
-if rpm_limit > 0 or want < 0 then rpm = tonumber(redis.call('GET', KEYS[1]) or '0') end
-local before, mine, held = 0, 0, 0
-if target >= 0 then
-  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', ARGV[8])
-  if #dead > 0 then
-    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', ARGV[8])
-    redis.call('HDEL', KEYS[5], unpack(dead))
-  end
-  before = tonumber(redis.call('HGET', KEYS[5], ARGV[10]) or '0')
-  for _, n in ipairs(redis.call('HVALS', KEYS[5])) do held = held + tonumber(n) end
-  mine = before
-end
-local code = 0
-if need then
-  if want > 0 and rpm >= rpm_limit then code = 1
-  elseif tpm_limit > 0 and tpm >= tpm_limit then code = 2
-  elseif target > before and held >= conc_limit then code = 3 end
-end
-local granted = 0
-if want > 0 and code == 0 then
-  granted = math.max(0, math.min(want, rpm_limit - rpm))
-  if granted > 0 then
-    rpm = redis.call('INCRBY', KEYS[1], granted)
-    if rpm == granted then redis.call('EXPIRE', KEYS[1], ARGV[11]) end
-  end
-elseif want < 0 and rpm > 0 then
-  rpm = redis.call('DECRBY', KEYS[1], math.min(-want, rpm))
-end
-if target >= 0 then
-  if target <= before then
-    mine = target
-  elseif need and code == 0 then
-    mine = math.min(target, before + math.max(0, conc_limit - held))
-  end
-  if mine > 0 then
-    redis.call('HSET', KEYS[5], ARGV[10], mine)
-    redis.call('ZADD', KEYS[4], ARGV[9], ARGV[10])
-    redis.call('EXPIRE', KEYS[4], ARGV[12])
-    redis.call('EXPIRE', KEYS[5], ARGV[12])
-  elseif before > 0 then
-    redis.call('HDEL', KEYS[5], ARGV[10])
-    redis.call('ZREM', KEYS[4], ARGV[10])
-  end
-  held = held - before + mine
-end
-return {code, granted, rpm, tpm, before, mine, held}
-"""
-
 _RPM, _TPM, _SLOTS = 1, 2, 4  # what a request lacks (bits)
-_FULL_RPM, _FULL_SLOTS = 1, 3  # the script's refusal codes (2: TPM, seen in the count)
 
 
 @dataclass(slots=True, eq=False)
@@ -261,22 +190,6 @@ class _Plan:
     args: list[int | str]
 
 
-def _rpm_key(key_id: int, minute: int) -> str:
-    return f"mirbad:rl:{{{key_id}}}:rpm:{minute}"
-
-
-def _tpm_key(key_id: int, minute: int) -> str:
-    return f"mirbad:rl:{{{key_id}}}:tpm:{minute}"
-
-
-def _leases_key(key_id: int) -> str:
-    return f"mirbad:rl:{{{key_id}}}:leases"
-
-
-def _slots_key(key_id: int) -> str:
-    return f"mirbad:rl:{{{key_id}}}:slots"
-
-
 def _call_in_flight(book: _KeyBook) -> asyncio.Task[None] | None:
     """The book's call still running. A finished one may linger until its done
     callback runs, and awaiting it would not yield: an admit would spin."""
@@ -308,7 +221,7 @@ class Limiter:
         self._clock = clock
         self._lease = lease_seconds
         self._timeout = timeout
-        self._script = redis.register_script(_SYNC)  # local: no round trip
+        self._script = redis.register_script(SYNC)  # local: no round trip
         self._script_loaded = False  # pipelines need it loaded; single calls load it
         # Ticket ids: unique across processes by the random part, cheap by the counter.
         self._ids = itertools.count(1)
@@ -518,11 +431,11 @@ class Limiter:
             target=target,
             expected=expected,
             keys=[
-                _rpm_key(key_id, minute),
-                _tpm_key(key_id, minute),
-                _tpm_key(key_id, minute - 1),
-                _leases_key(key_id),
-                _slots_key(key_id),
+                rpm_key(key_id, minute),
+                tpm_key(key_id, minute),
+                tpm_key(key_id, minute - 1),
+                leases_key(key_id),
+                slots_key(key_id),
             ],
             args=[
                 rpm_limit,
@@ -557,7 +470,7 @@ class Limiter:
                 # Reserved in a window that ended during the call: lost, never moved on.
                 if book.rpm_window == plan.minute:
                     book.permits += granted
-            if code == _FULL_RPM or rpm_count >= plan.rpm_limit:
+            if code == FULL_RPM or rpm_count >= plan.rpm_limit:
                 book.rpm_full = (plan.minute, plan.rpm_limit)
         if plan.tpm_limit and book.tpm_window <= plan.minute:
             book.tpm_window, book.tpm_seen = plan.minute, tpm_count
@@ -573,7 +486,7 @@ class Limiter:
                 book.renewed_at = mono
             limit = book.key.concurrency_limit or 0
             grew = plan.need and plan.target > before
-            if grew and (code == _FULL_SLOTS or mine < plan.target or total >= limit):
+            if grew and (code == FULL_SLOTS or mine < plan.target or total >= limit):
                 book.slots_full_epoch = plan.epoch
 
     # -- talking to Redis -------------------------------------------------------------
@@ -665,7 +578,7 @@ class Limiter:
             self._script_loaded = True
             return [reply]
         if not self._script_loaded:
-            await self._redis.script_load(_SYNC)
+            await self._redis.script_load(SYNC)
             self._script_loaded = True
         pipe = self._redis.pipeline(transaction=False)
         for plan in plans:

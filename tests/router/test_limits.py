@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from django.conf import settings
 
-from router import limits
+from router import limit_script, limits
 from router.errors import V1Error
 from router.keys import KeyInfo
 from router.limits import Limiter, Ticket
@@ -350,7 +350,7 @@ async def test_a_timed_out_admit_gives_its_slot_back(clients: list[aioredis.Redi
     slots = _leases(key)
     try:
         await slow.ping()  # connect (and select the db) before the clock matters
-        await clients[0].script_load(limits._SYNC)  # so the admit is one EVALSHA
+        await clients[0].script_load(limit_script.SYNC)  # so the admit is one EVALSHA
         ticket = await limiter.admit(key)  # times out: fails open
         assert not ticket.holds_slot
         for _ in range(50):
