@@ -82,6 +82,13 @@ def _response_headers(response: WireResponse, drop: frozenset[str]) -> CIMultiDi
     return out
 
 
+class _WithFirstChunk(web.StreamResponse):
+    """A streamed answer whose headers wait for its first write (aiohttp's Response does
+    the same); used only when that first chunk is already here, so nothing is delayed."""
+
+    _send_headers_immediately = False
+
+
 class Proxy:
     """Forwards requests to Ready instances with an in-flight limit and an idle timeout."""
 
@@ -204,10 +211,15 @@ class Proxy:
             whole = web.Response(status=response.status, body=body)
             whole.headers.extend(_response_headers(response, frozenset({"content-length"})))
             return whole
-        out = web.StreamResponse(status=response.status)
+        # An engine that sent its first chunk with its headers (llama-server does) gets
+        # both forwarded in one write: the router then wakes once, not twice.
+        first = response.take_buffered()
+        out = (_WithFirstChunk if first else web.StreamResponse)(status=response.status)
         out.headers.extend(_response_headers(response, frozenset()))
         await out.prepare(request)
         try:
+            if first:
+                await out.write(first)
             async for chunk in response.iter_chunks():
                 await out.write(chunk)
         except ReadTimeout:

@@ -19,6 +19,10 @@ from agent._server import error_middleware
 pytestmark = pytest.mark.timeout(30)
 
 
+class _HeadersWithFirstWrite(web.StreamResponse):
+    _send_headers_immediately = False
+
+
 @dataclass
 class Env:
     base: str
@@ -57,6 +61,16 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def sse_at_once(request: web.Request) -> web.StreamResponse:
+        # Headers and the first event in one write, as llama-server sends them.
+        resp = _HeadersWithFirstWrite(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: first\n\n")
+        await asyncio.wait_for(env_holder["env"].release.wait(), 10)
+        await resp.write(b"data: second\n\n")
+        await resp.write_eof()
+        return resp
+
     async def stall(request: web.Request) -> web.Response:
         try:
             await asyncio.sleep(30)
@@ -75,6 +89,7 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
     app = web.Application()
     app.router.add_route("*", "/echo{tail:.*}", echo)
     app.router.add_get("/sse", sse)
+    app.router.add_get("/sse-at-once", sse_at_once)
     app.router.add_get("/stall", stall)
     app.router.add_get("/stall-mid", stall_mid)
     return app
@@ -250,3 +265,35 @@ async def test_upstream_down_is_502() -> None:
     finally:
         await runner.cleanup()
         await proxy.close()
+
+
+async def test_headers_and_first_chunk_leave_in_one_write(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the engine sent at once, the proxy writes at once (the router wakes once)."""
+    import asyncio.selector_events as selector_events
+
+    writes: list[bytes] = []
+    original = selector_events._SelectorSocketTransport.write
+
+    def spy(self: Any, data: Any) -> None:
+        writes.append(bytes(data))
+        original(self, data)
+
+    monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", spy)
+    port = int(env.base.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"GET /agent/v1/proxy/m-1/sse-at-once HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b"data: first\n\n"), 5)
+        assert first.startswith(b"HTTP/1.1 200")
+        to_client = [w for w in writes if b"HTTP/1.1 200" in w or b"data: first" in w]
+        # One from the upstream to the proxy, one from the proxy to us: each holds both.
+        assert len(to_client) == 2, to_client
+        assert all(b"HTTP/1.1 200" in w and b"data: first" in w for w in to_client)
+        env.release.set()
+        rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+        assert b"data: second" in rest
+    finally:
+        writer.close()
