@@ -16,7 +16,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from agent._config import AgentConfig
+from agent._events import EventBus
+from agent._executables import Catalogue
 from agent._identity import Identity, load_identity, node_spiffe_id, store_identity
+from agent._process import ProcessRuntime
 from agent._server import AgentServer
 
 MASTER_URI = "spiffe://mirbadllm/master"
@@ -291,3 +295,21 @@ def master_headers(epoch: int = 1, instance: str = "test-master", boot: str = "b
         "MirbadLLM-Master": f"{instance}/{epoch}/{boot}",
         "MirbadLLM-Request-Time": dt.datetime.now(dt.UTC).isoformat(),
     }
+
+
+async def start_runtime(
+    config: AgentConfig, *, ready_poll_interval: float = 0.1, **kw: Any
+) -> ProcessRuntime:
+    """A started ProcessRuntime on ``config``'s verified executables, quick to stop."""
+    catalogue = Catalogue(entries=config.executables)
+    catalogue.verify()
+    runtime = ProcessRuntime(
+        config=config,
+        catalogue=catalogue,
+        bus=EventBus(),
+        ready_poll_interval=ready_poll_interval,
+        stop_grace_seconds=kw.pop("stop_grace_seconds", 1.0),
+        **kw,
+    )
+    await runtime.start()
+    return runtime

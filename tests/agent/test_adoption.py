@@ -23,11 +23,16 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from agent_support import Pki, client_context, launch_body, make_identity, master_headers
+from agent_support import (
+    Pki,
+    client_context,
+    launch_body,
+    make_identity,
+    master_headers,
+    start_runtime,
+)
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._events import EventBus
-from agent._executables import Catalogue
 from agent._process import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
 from agent._reconcile import argv_digest, matches_record, observe
 from agent._spec import parse_launch_spec
@@ -43,17 +48,7 @@ async def runtime_factory(
     made: list[ProcessRuntime] = []
 
     async def build() -> ProcessRuntime:
-        config = make_config(executables=(fake_engine,))
-        catalogue = Catalogue(entries=config.executables)
-        catalogue.verify()
-        runtime = ProcessRuntime(
-            config=config,
-            catalogue=catalogue,
-            bus=EventBus(),
-            ready_poll_interval=0.1,
-            stop_grace_seconds=1.0,
-        )
-        await runtime.start()
+        runtime = await start_runtime(make_config(executables=(fake_engine,)))
         made.append(runtime)
         return runtime
 

@@ -24,14 +24,14 @@ from typing import Any
 
 import psutil
 import pytest
-from agent_support import FAKE_ENGINE, RunningAgent, launch_body
+from agent_support import FAKE_ENGINE, RunningAgent, launch_body, start_runtime
 
 import agent._describe
 from agent import InvalidRequest, SpecRejected
 from agent._config import AgentConfig, ExecutableEntry
 from agent._describe import GpuSampler, group_rss
 from agent._events import EventBus
-from agent._executables import Catalogue, write_manifest
+from agent._executables import write_manifest
 from agent._process import ProcessRuntime
 from agent._spec import fingerprint, parse_launch_spec
 
@@ -154,19 +154,12 @@ async def runtime_factory(
     made: list[ProcessRuntime] = []
 
     async def build(**kw: Any) -> ProcessRuntime:
-        config = make_config(executables=(gpu_engine,))
-        catalogue = Catalogue(entries=config.executables)
-        catalogue.verify()
-        runtime = ProcessRuntime(
-            config=config,
-            catalogue=catalogue,
-            bus=EventBus(),
+        runtime = await start_runtime(
+            make_config(executables=(gpu_engine,)),
             ready_poll_interval=0.05,
-            stop_grace_seconds=1.0,
             gpu_probe=kw.pop("gpu_probe", smi),
             **kw,
         )
-        await runtime.start()
         made.append(runtime)
         return runtime
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import psutil
 import pytest
-from agent_support import launch_body
+from agent_support import launch_body, start_runtime
 
 import agent._process
 from agent import Conflict
@@ -37,17 +37,7 @@ async def runtime_factory(
     made: list[ProcessRuntime] = []
 
     async def build(**overrides: Any) -> ProcessRuntime:
-        config = make_config(executables=(fake_engine,), **overrides)
-        catalogue = Catalogue(entries=config.executables)
-        catalogue.verify()
-        runtime = ProcessRuntime(
-            config=config,
-            catalogue=catalogue,
-            bus=EventBus(),
-            ready_poll_interval=0.1,
-            stop_grace_seconds=1.0,
-        )
-        await runtime.start()
+        runtime = await start_runtime(make_config(executables=(fake_engine,), **overrides))
         made.append(runtime)
         return runtime
 
