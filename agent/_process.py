@@ -46,15 +46,13 @@ import contextlib
 import json
 import logging
 import os
-import secrets
 import time
-from collections import deque
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psutil
 
+from agent._adoption import Adoption
 from agent._atomic import write_atomic
 from agent._config import AgentConfig
 from agent._describe import GpuProbe, GpuSampler, group_rss, memory_used_by_uuid
@@ -64,139 +62,42 @@ from agent._engine import (
     PortAllocator,
     exit_text,
     open_log,
-    open_pidfd,
     read_log_tail,
 )
 from agent._errors import Conflict, ModelNotRunning, NotFound, SpecRejected, StateUnavailable
 from agent._events import EventBus
-from agent._executables import Catalogue, ExecutableInfo
-from agent._measure import RSS, GpuLocks, Measured, gpu_delta, is_int
+from agent._executables import Catalogue
+from agent._instance import (
+    FAILED,
+    GONE_ERROR,
+    PENDING_STOPPED_ERROR,
+    PROCESSES_FILE,
+    READY,
+    STARTING,
+    STOPPED,
+    Instance,
+)
+from agent._measure import RSS, GpuLocks, Measured, gpu_delta
 from agent._reconcile import (
-    Observed,
-    Pending,
     argv_digest,
-    matches_record,
-    observe,
-    scan,
-    stop_group,
 )
 from agent._spec import (
-    LaunchSpec,
     check_args,
     check_env,
     check_runtime,
-    fingerprint,
     parse_launch_spec,
     resolve_model_path,
     substitute,
 )
-from agent._util import iso_time
 
-__all__ = ["Instance", "Measured", "ProcessRuntime"]
+__all__ = ["GONE_ERROR", "PENDING_STOPPED_ERROR", "Instance", "Measured", "ProcessRuntime"]
 
 log = logging.getLogger("mirbad.agent.process")
 
-STARTING, READY, FAILED, STOPPED = "Starting", "Ready", "Failed", "Stopped"
 _BASE_ENV = ("PATH", "HOME", "LANG")
-PROCESSES_FILE = "processes.json"
-GONE_ERROR = "The engine was gone after the agent restarted."
-PENDING_ERROR = "The agent restarted while it was starting the engine."
-PENDING_STOPPED_ERROR = (
-    "The agent restarted while it was starting the engine; the engine was stopped."
-)
-QUEUED_ERROR = "The agent restarted while the start was waiting for its GPUs; it was not started."
 
 
-class Instance:
-    """One instance's mutable state; only the runtime changes it, under ``lock``."""
-
-    def __init__(
-        self, *, spec: LaunchSpec, executable: ExecutableInfo, alias: str, model_path: Path
-    ) -> None:
-        self.spec = spec
-        self.executable = executable
-        self.alias = alias
-        self.model_path = model_path
-        self.key = secrets.token_urlsafe(32)
-        self.fingerprint = fingerprint(spec, executable.version)
-        self.state = STARTING
-        self.port: int | None = None
-        self.pid: int | None = None
-        self.pid_create_time: float | None = None
-        self.pid_cmdline: list[str] = []
-        self.started_at: float | None = None
-        self.ready_at: float | None = None
-        self.exit_code: int | None = None
-        self.error: str | None = None
-        self.log_tail: list[str] = []
-        self.restart_count = 0
-        self.restarts: deque[float] = deque()
-        self.proc: EngineProcess | AdoptedProcess | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.lock = asyncio.Lock()
-        self.stopping = False
-        self.log_offset = 0
-        # Set from just before a start is recorded until the process exists.
-        self.pending_since: float | None = None
-        self.argv_digest: str | None = None
-        self.pid_exe: str | None = None
-        self.adopted = False
-        # Set while the start waits for a GPU another start holds.
-        self.start_queued_at: float | None = None
-        # The GPU locks this instance's start holds (released at Ready, Failed, stop).
-        self.gpu_held: list[asyncio.Lock] = []
-        self.measured: Measured | None = None
-        # memory.used per placed GPU just before the process was created.
-        self.gpu_baseline: dict[str, int] | None = None
-
-    @property
-    def instance_id(self) -> str:
-        """The master's id of this instance."""
-        return self.spec.instance_id
-
-    def to_json(self) -> dict[str, Any]:
-        """The contract's ``<instance>``; never includes the key."""
-        return {
-            "instanceId": self.spec.instance_id,
-            "modelId": self.spec.model_id,
-            "servedName": self.spec.served_name,
-            "state": self.state,
-            "port": self.port,
-            "pid": self.pid,
-            "startedAt": iso_time(self.started_at) if self.started_at else None,
-            "readyAt": iso_time(self.ready_at) if self.ready_at else None,
-            "exitCode": self.exit_code,
-            "error": self.error,
-            "logTail": list(self.log_tail),
-            "fingerprint": self.fingerprint,
-            "restartCount": self.restart_count,
-            "executable": {"name": self.executable.name, "version": self.executable.version},
-            "gpuUuids": list(self.spec.gpu_uuids),
-            "startQueuedAt": iso_time(self.start_queued_at) if self.start_queued_at else None,
-            "measured": self.measured.to_json() if self.measured else None,
-        }
-
-    def to_record(self) -> dict[str, Any]:
-        """What processes.json keeps: the public view plus what adoption needs."""
-        return {
-            **self.to_json(),
-            "spec": self.spec.to_json(),
-            "apiKey": self.key,
-            "pendingStart": self.pending_since is not None,
-            "pendingSince": self.pending_since,
-            "argvDigest": self.argv_digest,
-            "pidCreateTime": self.pid_create_time,
-            "pidCmdline": self.pid_cmdline,
-            "pidExe": self.pid_exe,
-            "executablePath": str(self.executable.path.resolve()),
-            "modelPath": str(self.model_path) if self.model_path.parts else None,
-            "startedAtEpoch": self.started_at,
-            "readyAtEpoch": self.ready_at,
-            "gpuBaselineBytes": self.gpu_baseline,
-        }
-
-
-class ProcessRuntime:
+class ProcessRuntime(Adoption):
     """All instances of this agent, and the supervisor task of each."""
 
     def __init__(
@@ -268,207 +169,6 @@ class ProcessRuntime:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    # -- adoption after an agent restart ---------------------------------------------
-
-    def _runtime_folders(self) -> list[Path]:
-        """The configured executables' folders: only processes run from there can be ours."""
-        return sorted({entry.path.parent.resolve() for entry in self._config.executables})
-
-    def _read_records(self) -> list[dict[str, Any]] | None:
-        try:
-            data = json.loads(self._state_file.read_text(encoding="utf-8"))
-            records = data["instances"]
-            if not isinstance(records, list):
-                raise TypeError("'instances' is not a list")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("Cannot read %s (%s); starting with no instances", self._state_file, exc)
-            return None
-        return [r for r in records if isinstance(r, dict)]
-
-    def _instance_from_record(self, record: dict[str, Any]) -> Instance:
-        """The instance a record describes, Stopped; raises when it cannot be managed."""
-        spec = parse_launch_spec(record["spec"])
-        exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
-        try:
-            alias = check_args(spec.args)
-        except SpecRejected:
-            alias = ""
-        model_path = Path(record["modelPath"]) if record.get("modelPath") else Path()
-        inst = Instance(spec=spec, executable=exe, alias=alias, model_path=model_path)
-        inst.state = STOPPED
-        if isinstance(record.get("apiKey"), str) and record["apiKey"]:
-            inst.key = record["apiKey"]
-        port = record.get("port")
-        inst.port = port if isinstance(port, int) else None
-        count = record.get("restartCount")
-        inst.restart_count = count if isinstance(count, int) else 0
-        inst.exit_code = record.get("exitCode")
-        if record.get("state") == FAILED:
-            inst.state = FAILED
-            inst.error = record.get("error")
-            tail = record.get("logTail")
-            inst.log_tail = [str(line) for line in tail] if isinstance(tail, list) else []
-        return inst
-
-    def _adoptable(self, inst: Instance, record: dict[str, Any]) -> str | None:
-        """None when ``inst`` can be supervised again, else why not."""
-        if not inst.alias:
-            return "its spec has no usable --alias"
-        if not isinstance(record.get("apiKey"), str) or not record["apiKey"]:
-            return "its record has no API key"
-        if not isinstance(record.get("port"), int):
-            return "its record has no port"
-        if str(inst.executable.path.resolve()) != record.get("executablePath"):
-            return f"its executable is now configured as {inst.executable.path}"
-        if not inst.model_path.parts:
-            try:
-                inst.model_path = resolve_model_path(
-                    self._config.models_root_path, inst.spec.model_folder, inst.spec.model_file
-                )
-            except SpecRejected as exc:
-                return exc.message
-        return None
-
-    async def _reconcile(self) -> None:
-        """Adopt, mark gone, and stop orphans, from the previous run's processes.json."""
-        records = self._read_records()
-        if records is None:
-            return
-        loop = asyncio.get_running_loop()
-        folders = self._runtime_folders()
-        adopted: list[Instance] = []
-        gone = 0
-        kills: list[tuple[Observed, str, str]] = []  # (process, instance, why)
-        pending: list[Pending] = []
-        ports: dict[int, str] = {}
-        for record in records:
-            iid = str(record.get("instanceId"))
-            try:
-                inst: Instance | None = self._instance_from_record(record)
-                problem = None
-            except Exception as exc:
-                inst, problem = None, str(getattr(exc, "message", exc))
-            port = record.get("port")
-            pid = record.get("pid")
-            if record.get("pendingStart"):
-                digest, since = record.get("argvDigest"), record.get("pendingSince")
-                if isinstance(digest, str) and isinstance(since, int | float):
-                    pending.append(Pending(instance_id=iid, digest=digest, since=float(since)))
-                if inst is not None:
-                    inst.error = PENDING_ERROR
-            elif record.get("startQueuedAt") and not isinstance(pid, int):
-                # It never got its GPUs, so there is no process to look for.
-                if inst is not None:
-                    inst.error = QUEUED_ERROR
-            elif record.get("state") in (STARTING, READY) and isinstance(pid, int) and pid > 0:
-                # The pidfd first: once the identity is checked it cannot be a later process.
-                pidfd = open_pidfd(pid)
-                obs = await asyncio.to_thread(observe, pid, folders)
-                ours = obs is not None and matches_record(obs, record)
-                why_not = None
-                if ours and inst is not None:
-                    why_not = self._adoptable(inst, record)
-                if ours and inst is not None and why_not is None:
-                    assert obs is not None
-                    self._adopt(inst, record, obs, pidfd, loop)
-                    adopted.append(inst)
-                    self._instances[inst.instance_id] = inst
-                    continue
-                if pidfd is not None:
-                    os.close(pidfd)
-                if ours:
-                    assert obs is not None
-                    log.warning(
-                        "Engine pid %s of instance %s cannot be adopted: %s",
-                        pid,
-                        iid,
-                        why_not or problem,
-                    )
-                    kills.append((obs, iid, "unmanageable"))
-                    if inst is not None:
-                        inst.error = (
-                            f"The agent restarted and could not adopt the engine ({why_not}); "
-                            "it was stopped."
-                        )
-                else:
-                    gone += 1
-                    if inst is not None:
-                        inst.error = GONE_ERROR
-                    log.warning(
-                        "Instance %s: engine pid %s was gone after the agent restarted", iid, pid
-                    )
-            if isinstance(port, int):
-                ports.setdefault(port, iid)
-            if inst is None:
-                log.warning("Forgetting instance %s: %s", iid, problem)
-                continue
-            inst.port = None if inst.state == STOPPED else inst.port
-            self._instances[inst.instance_id] = inst
-        if pending or ports or kills:
-            skip = {os.getpid(), *(i.pid for i in adopted if i.pid), *(k[0].pid for k in kills)}
-            findings = await asyncio.to_thread(
-                scan, folders=folders, pending=pending, ports=ports, skip=skip
-            )
-            for finding in findings:
-                if finding.instance_id is None:
-                    log.warning(
-                        "Foreign process pid %s (%s): left alone",
-                        finding.obs.pid,
-                        finding.obs.program,
-                    )
-                else:
-                    kills.append((finding.obs, finding.instance_id, finding.why))
-        stopped = 0
-        for obs, iid, why in kills:
-            if await asyncio.to_thread(stop_group, obs, self._grace):
-                stopped += 1
-                log.warning("Stopped orphan engine pid %s (instance %s)", obs.pid, iid)
-                inst = self._instances.get(iid)
-                if why == "pending" and inst is not None and inst.state == STOPPED:
-                    inst.error = PENDING_STOPPED_ERROR
-        self._persist_quietly()
-        log.info("Reconciled: adopted %d, gone %d, orphans stopped %d", len(adopted), gone, stopped)
-        for inst in adopted:
-            inst.task = asyncio.create_task(
-                self._supervise(inst), name=f"supervise-{inst.instance_id}"
-            )
-
-    def _adopt(
-        self,
-        inst: Instance,
-        record: dict[str, Any],
-        obs: Observed,
-        pidfd: int | None,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        assert inst.port is not None
-        inst.adopted = True
-        inst.state = STARTING
-        inst.error = None
-        inst.exit_code = None
-        inst.pid = obs.pid
-        inst.pid_create_time = obs.create_time
-        inst.pid_cmdline = list(obs.cmdline)
-        inst.pid_exe = obs.exe
-        inst.argv_digest = record.get("argvDigest") or obs.digest
-        started = record.get("startedAtEpoch")
-        inst.started_at = float(started) if isinstance(started, int | float) else obs.create_time
-        # The engine is the same process, so what was measured at its start still holds
-        # (a GPU delta cannot be taken again: the "before" is long gone).
-        inst.measured = Measured.from_json(record.get("measured"))
-        baseline = record.get("gpuBaselineBytes")
-        if isinstance(baseline, dict):
-            inst.gpu_baseline = {str(k): v for k, v in baseline.items() if is_int(v)}
-        log_path = self._log_dir / f"ss-{inst.instance_id}.log"
-        with contextlib.suppress(OSError):
-            inst.log_offset = log_path.stat().st_size
-        self._ports.claim(inst.port)
-        inst.proc = AdoptedProcess(pid=obs.pid, create_time=obs.create_time, pidfd=pidfd, loop=loop)
-        log.info("Adopted instance %s (pid %s, port %s)", inst.instance_id, obs.pid, inst.port)
-        self._bus.publish("instance", inst.to_json())
 
     # -- queries ---------------------------------------------------------------------
 

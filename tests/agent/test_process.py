@@ -17,7 +17,7 @@ import psutil
 import pytest
 from agent_support import launch_body, start_runtime
 
-import agent._process
+import agent._adoption
 from agent import Conflict
 from agent._config import AgentConfig, ExecutableEntry
 from agent._engine import AdoptedProcess, EngineProcess
@@ -244,7 +244,7 @@ async def test_adopted_engine_exit_seen_by_polling(
     runtime_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ready = await left_running(runtime_factory)
-    monkeypatch.setattr(agent._process, "open_pidfd", lambda pid: None)
+    monkeypatch.setattr(agent._adoption, "open_pidfd", lambda pid: None)
     restarted = await runtime_factory(restart_budget=0)
     inst = restarted.get("m-1")
     assert isinstance(inst.proc, AdoptedProcess) and not inst.proc.watched_by_pidfd
