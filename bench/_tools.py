@@ -22,6 +22,11 @@ def say(line: str) -> None:
     print(f"bench: {line}", flush=True)
 
 
+def loud(line: str) -> None:
+    bar = "!" * 78
+    print(f"\n{bar}\n!! {line}\n{bar}\n", flush=True)
+
+
 def default_litellm_venv() -> Path:
     override = os.environ.get("MIRBAD_BENCH_LITELLM_VENV")
     if override:
