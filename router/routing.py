@@ -140,8 +140,9 @@ class RoutingTable:
         if self._loads.get(flight) is future:
             del self._loads[flight]
         if not future.cancelled() and future.exception() is not None:
-            # A waiting request sees it; a background refresh only logs it.
-            log.warning("Refreshing %s failed: %r", flight[1], future.exception())
+            # A waiting request sees it; a background refresh only logs it. Never the
+            # name: for the key cache it is the client's plaintext API key.
+            log.warning("Loading a cached route or key failed: %r", future.exception())
 
     async def ready_models(self) -> list[str]:
         names = await sync_to_async(_all_served_names)()

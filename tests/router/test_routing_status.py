@@ -99,3 +99,17 @@ async def test_a_change_during_a_query_discards_its_answer(monkeypatch: pytest.M
     assert "k" not in table._keys  # ...but its answer is not cached
     assert await table._cached(table._keys, "k", 10.0, routing.keys.lookup) is None
     assert calls == ["k", "k"]
+
+
+async def test_a_failed_key_load_never_logs_the_key(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(name: str) -> object:
+        raise RuntimeError("database away")
+
+    monkeypatch.setattr(routing.keys, "lookup", broken)
+    table = routing.RoutingTable()
+    with pytest.raises(RuntimeError):
+        await table.key("mb-secret-token-123")
+    assert "database away" in caplog.text
+    assert "mb-secret-token-123" not in caplog.text
