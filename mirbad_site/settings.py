@@ -113,10 +113,25 @@ REST_FRAMEWORK = {
     "UNAUTHENTICATED_USER": None,
 }
 
+# redis-py 8 reads with a 5 s socket timeout by default, and channels_redis waits for a
+# message with a blocking BZPOPMIN of 5 s: with nothing to receive, every receive()
+# raised TimeoutError, which closed each idle console websocket and restarted the
+# router's invalidation listener every few seconds (channels_redis issue 422). The read
+# timeout must outlast the blocking wait (RedisChannelLayer.brpop_timeout); it still
+# ends a read from a Redis that died.
 CHANNEL_LAYERS = {
     "default": {
         "BACKEND": "channels_redis.core.RedisChannelLayer",
-        "CONFIG": {"hosts": [MIRBAD.redis_url], "prefix": "mirbad:asgi"},
+        "CONFIG": {
+            "hosts": [
+                {
+                    "address": MIRBAD.redis_url,
+                    "socket_timeout": 15,
+                    "socket_connect_timeout": 5,
+                }
+            ],
+            "prefix": "mirbad:asgi",
+        },
     }
 }
 

@@ -60,10 +60,17 @@ async def test_fleet_websocket_forwards_typed_events(operator) -> None:
     communicator.scope["user"] = operator
     connected, _ = await communicator.connect()
     assert connected
-    event = events.NodeUpdated(
+    await events.publish([events.FLEET_GROUP], _offline_event("n1"))
+    received = await communicator.receive_json_from(timeout=5)
+    assert received["type"] == "node.updated" and received["node"]["state"] == "Offline"
+    await communicator.disconnect()
+
+
+def _offline_event(node_id: str) -> events.NodeUpdated:
+    return events.NodeUpdated(
         type="node.updated",
         node=events.NodeSummary(
-            nodeId="n1",
+            nodeId=node_id,
             state="Offline",
             reasons=[],
             cpuPercent=None,
@@ -73,9 +80,27 @@ async def test_fleet_websocket_forwards_typed_events(operator) -> None:
             lastSeen=None,
         ),
     )
-    await events.publish([events.FLEET_GROUP], event)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_an_idle_fleet_websocket_outlives_the_channel_layers_blocking_wait(
+    operator,
+) -> None:
+    # redis-py 8's default 5 s read timeout cut channels_redis's 5 s blocking receive:
+    # the consumer died with redis TimeoutError after 5 idle seconds (a quiet console
+    # reconnected every few seconds). Past that wait, the socket is open and live.
+    from channels_redis.core import RedisChannelLayer
+
+    from nodes.consumers import FleetConsumer
+
+    communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
+    communicator.scope["user"] = operator
+    connected, _ = await communicator.connect()
+    assert connected
+    assert await communicator.receive_nothing(timeout=RedisChannelLayer.brpop_timeout + 1.5)
+    await events.publish([events.FLEET_GROUP], _offline_event("n2"))
     received = await communicator.receive_json_from(timeout=5)
-    assert received["type"] == "node.updated" and received["node"]["state"] == "Offline"
+    assert received["node"]["nodeId"] == "n2"
     await communicator.disconnect()
 
 

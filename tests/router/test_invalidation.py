@@ -90,3 +90,32 @@ async def test_a_new_placement_is_seen_without_waiting_for_the_ttl(chat_key: str
     from channels.layers import get_channel_layer
 
     await get_channel_layer().close_pools()
+
+
+async def test_the_listener_stays_subscribed_while_nothing_changes(
+    chat_key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A receive with nothing to read used to fail after redis-py 8's 5 s read timeout:
+    # the listener dropped every cache and resubscribed, and changes published while it
+    # was away were lost. Idle past that wait, it must still be the same subscription.
+    from channels_redis.core import RedisChannelLayer
+
+    app = RouterApp()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://r")
+    headers = {"Authorization": f"Bearer {chat_key}"}
+    node = await sync_to_async(make_node)("n1")
+    await sync_to_async(make_model)("m", node)
+    await sync_to_async(set_status)(node, "Offline")
+    app.listener.start()
+    await asyncio.wait_for(app.listener.ready.wait(), 5)
+    with caplog.at_level("WARNING", logger="mirbad.router"):
+        await asyncio.sleep(RedisChannelLayer.brpop_timeout + 1.5)
+    assert app.listener.ready.is_set()
+    assert not [r for r in caplog.records if "listener failed" in r.getMessage()]
+    response = await client.post("/v1/chat/completions", json=chat(), headers=headers)
+    assert response.status_code == 503, response.text
+    await client.aclose()
+    await app.listener.stop()
+    from channels.layers import get_channel_layer
+
+    await get_channel_layer().close_pools()
