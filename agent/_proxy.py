@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
 
 from agent._errors import ReadTimeout, ServerBusy, UpstreamUnavailable, WireError
 from agent._wire import WirePool, WireResponse
 
-__all__ = ["Proxy", "Upstream"]
+__all__ = ["Proxy", "Upstream", "request_headers", "response_headers"]
 
 log = logging.getLogger("mirbad.agent.proxy")
 
@@ -56,11 +55,13 @@ def _connection_tokens(values: list[str]) -> frozenset[str]:
     return frozenset(token.strip().lower() for value in values for token in value.split(","))
 
 
-def _request_headers(headers: CIMultiDictProxy[str], key: str) -> list[tuple[str, str]]:
-    named = _connection_tokens(headers.getall("Connection", []))
+def request_headers(headers: Iterable[tuple[str, str]], key: str) -> list[tuple[str, str]]:
+    """The client's headers as the engine gets them: hop-by-hop ones dropped, our key in."""
+    pairs = list(headers)
+    named = _connection_tokens([v for k, v in pairs if k.lower() == "connection"])
     out = [
         (name, value)
-        for name, value in headers.items()
+        for name, value in pairs
         if (lower := name.lower()) not in _HOP_BY_HOP
         and lower not in _REQUEST_DROP
         and lower not in named
@@ -69,17 +70,31 @@ def _request_headers(headers: CIMultiDictProxy[str], key: str) -> list[tuple[str
     return out
 
 
-def _response_headers(response: WireResponse, drop: frozenset[str]) -> CIMultiDict[str]:
+def response_headers(response: WireResponse, drop: frozenset[str]) -> list[tuple[str, str]]:
+    """The engine's headers as the client gets them (hop-by-hop ones and ``drop`` out)."""
     raw = response.raw_headers
     named = _connection_tokens([v.decode("latin-1") for k, v in raw if k.lower() == b"connection"])
-    out: CIMultiDict[str] = CIMultiDict()
+    out: list[tuple[str, str]] = []
     for name_b, value_b in raw:
         name = name_b.decode("latin-1")
         lower = name.lower()
         if lower in _HOP_BY_HOP or lower in named or lower in drop:
             continue
-        out.add(name, value_b.decode("latin-1"))
+        out.append((name, value_b.decode("latin-1")))
     return out
+
+
+def split_target(raw_path: str) -> tuple[str, str]:
+    """``/agent/v1/proxy/{id}/{rest}?{query}`` as (id, ``/{rest}?{query}``).
+
+    The raw (still percent-encoded) path is forwarded, so the engine sees exactly what
+    the client sent after the prefix.
+    """
+    path, sep, query = raw_path.partition("?")
+    parts = path.split("/", 5)
+    instance_id = parts[4] if len(parts) > 4 else ""
+    rest = parts[5] if len(parts) > 5 else ""
+    return instance_id, f"/{rest}?{query}" if sep and query else f"/{rest}"
 
 
 class _WithFirstChunk(web.StreamResponse):
@@ -127,32 +142,72 @@ class Proxy:
             await self._pool.close()
             self._pool = None
 
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        """The aiohttp handler for ``/agent/v1/proxy/{instanceId}/{path}``."""
-        instance_id = request.match_info["instanceId"]
+    def admit(self, instance_id: str) -> Upstream:
+        """The instance's upstream, counted in flight until ``release()``; or the ApiError
+        to answer (not Ready, or the proxy at its limit)."""
         upstream = self._resolve(instance_id)
         if self._in_flight >= self._max:
             raise ServerBusy(
                 f"the agent proxy already carries {self._max} requests (ProxyMaxInFlight); retry later"
             )
         self._in_flight += 1
+        return upstream
+
+    def release(self) -> None:
+        self._in_flight -= 1
+
+    async def open(
+        self,
+        upstream: Upstream,
+        method: str,
+        target: str,
+        headers: list[tuple[str, str]],
+        body: AsyncIterator[bytes] | bytes | None,
+    ) -> WireResponse:
+        """Send one request to the engine; its headers are in when this returns."""
+        assert self._pool is not None, "Proxy.start() was not called"
+        try:
+            return await self._pool.request(
+                method,
+                "127.0.0.1",
+                upstream.port,
+                target,
+                headers=headers,
+                body=body,
+                read_timeout=self._idle or None,
+            )
+        except ReadTimeout:
+            raise UpstreamUnavailable(self.idle_message(upstream)) from None
+        except (WireError, ValueError) as exc:
+            raise UpstreamUnavailable(
+                f"Model '{upstream.served_name}' could not be reached on port {upstream.port}: {exc}"
+            ) from None
+
+    async def read_whole(self, response: WireResponse, upstream: Upstream) -> bytes:
+        """The rest of a small answer, engine failures as UpstreamUnavailable."""
+        try:
+            return await response.read()
+        except ReadTimeout:
+            raise UpstreamUnavailable(self.idle_message(upstream)) from None
+        except WireError as exc:
+            raise UpstreamUnavailable(
+                f"Model '{upstream.served_name}' broke off its answer: {exc}"
+            ) from None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        """The aiohttp handler for ``/agent/v1/proxy/{instanceId}/{path}``."""
+        upstream = self.admit(request.match_info["instanceId"])
         try:
             return await self._forward(request, upstream)
         finally:
-            self._in_flight -= 1
+            self.release()
 
     @staticmethod
     def _target(request: web.Request) -> str:
-        # The raw (still percent-encoded) path is forwarded, so the engine sees exactly
-        # what the client sent after the /agent/v1/proxy/{id}/ prefix.
-        parts = request.raw_path.split("?", 1)[0].split("/", 5)
-        rest = parts[5] if len(parts) > 5 else ""
-        query = request.rel_url.raw_query_string
-        return f"/{rest}?{query}" if query else f"/{rest}"
+        return split_target(request.raw_path)[1]
 
     async def _forward(self, request: web.Request, upstream: Upstream) -> web.StreamResponse:
-        assert self._pool is not None, "Proxy.start() was not called"
-        headers = _request_headers(request.headers, upstream.key)
+        headers = request_headers(request.headers.items(), upstream.key)
         body: AsyncIterator[bytes] | bytes | None = None
         if request.body_exists:
             length = request.content_length
@@ -162,22 +217,7 @@ class Proxy:
                 body = await request.read()
             else:
                 body = self._stream_body(request)
-        try:
-            response = await self._pool.request(
-                request.method,
-                "127.0.0.1",
-                upstream.port,
-                self._target(request),
-                headers=headers,
-                body=body,
-                read_timeout=self._idle or None,
-            )
-        except ReadTimeout:
-            raise UpstreamUnavailable(self._idle_message(upstream)) from None
-        except (WireError, ValueError) as exc:
-            raise UpstreamUnavailable(
-                f"Model '{upstream.served_name}' could not be reached on port {upstream.port}: {exc}"
-            ) from None
+        response = await self.open(upstream, request.method, self._target(request), headers, body)
         try:
             return await self._relay(request, response, upstream)
         finally:
@@ -187,7 +227,7 @@ class Proxy:
         async for chunk in request.content.iter_chunked(_CHUNK):
             yield chunk
 
-    def _idle_message(self, upstream: Upstream) -> str:
+    def idle_message(self, upstream: Upstream) -> str:
         return (
             f"Model '{upstream.served_name}' sent no response for {self._idle:g} s; "
             "it may be stalled or overloaded."
@@ -200,22 +240,15 @@ class Proxy:
         streamed = "text/event-stream" in (response.header("content-type") or "")
         if not streamed and length is not None and length <= _SMALL_BODY:
             # A small whole answer: read it, then send headers and body in one write.
-            try:
-                body = await response.read()
-            except ReadTimeout:
-                raise UpstreamUnavailable(self._idle_message(upstream)) from None
-            except WireError as exc:
-                raise UpstreamUnavailable(
-                    f"Model '{upstream.served_name}' broke off its answer: {exc}"
-                ) from None
+            body = await self.read_whole(response, upstream)
             whole = web.Response(status=response.status, body=body)
-            whole.headers.extend(_response_headers(response, frozenset({"content-length"})))
+            whole.headers.extend(response_headers(response, frozenset({"content-length"})))
             return whole
         # An engine that sent its first chunk with its headers (llama-server does) gets
         # both forwarded in one write: the router then wakes once, not twice.
         first = response.take_buffered()
         out = (_WithFirstChunk if first else web.StreamResponse)(status=response.status)
-        out.headers.extend(_response_headers(response, frozenset()))
+        out.headers.extend(response_headers(response, frozenset()))
         await out.prepare(request)
         try:
             if first:
@@ -223,7 +256,7 @@ class Proxy:
             async for chunk in response.iter_chunks():
                 await out.write(chunk)
         except ReadTimeout:
-            log.warning("%s; aborting the stream", self._idle_message(upstream))
+            log.warning("%s; aborting the stream", self.idle_message(upstream))
             self._abort(request)
             return out
         except (WireError, ConnectionResetError) as exc:

@@ -34,6 +34,7 @@ from agent._errors import (
 from agent._events import EventBus
 from agent._executables import Catalogue
 from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
+from agent._front import FrontListener
 from agent._gguf import is_model_file, read_summary
 from agent._identity import Identity, check_master_client_cert, server_ssl_context
 from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
@@ -148,6 +149,7 @@ class AgentServer:
         self._heartbeat = heartbeat_interval
         self._verdicts: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
         self._runner: web.AppRunner | None = None
+        self._front: FrontListener | None = None
         self._facts = host_facts()
         self.fencing = Fencing(state_dir=config.state_directory)
         self.oplog = OperationLog(state_dir=config.state_directory)
@@ -195,15 +197,14 @@ class AgentServer:
             shutdown_timeout=self.config.shutdown_timeout_seconds,
         )
         await self._runner.setup()
-        site = web.TCPSite(
-            self._runner,
-            self.config.listen_address,
-            self.config.port,
-            ssl_context=self.ssl_context(),
+        # Proxy requests are served on a lean protocol; any other request hands its
+        # connection to aiohttp (D32).
+        self._front = FrontListener(
+            proxy=self.proxy, fallback=self._runner.server, verdict=self.peer_verdict
         )
-        await site.start()
-        addresses = self._runner.addresses
-        self.port = addresses[0][1] if addresses else self.config.port
+        self.port = await self._front.start(
+            self.config.listen_address, self.config.port, ssl=self.ssl_context()
+        )
         log.info(
             "Agent %s %s listening on https://%s:%s (boot %s)",
             self.config.node_id,
@@ -216,6 +217,9 @@ class AgentServer:
     async def stop(self) -> None:
         """Drain the listener, then stop every engine and the background tasks."""
         self.bus.close()
+        if self._front is not None:
+            await self._front.close(self.config.shutdown_timeout_seconds)
+            self._front = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -264,25 +268,30 @@ class AgentServer:
         r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
         return app
 
+    def peer_verdict(self, transport: asyncio.BaseTransport) -> str | None:
+        """None when the connection's client certificate is the master's, else why not
+        (decided once per TLS connection)."""
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is None:
+            return "the connection is not TLS"
+        if ssl_object in self._verdicts:
+            return self._verdicts[ssl_object]
+        verdict: str | None = None
+        try:
+            check_master_client_cert(ssl_object.getpeercert(binary_form=True))
+        except ClientNotMaster as exc:
+            verdict = exc.message
+            peer = transport.get_extra_info("peername")
+            log.warning("Refused a master client certificate: %s (peer %s)", verdict, peer)
+        self._verdicts[ssl_object] = verdict
+        return verdict
+
     @web.middleware
     async def _client_cert_middleware(
         self, request: web.Request, handler: Any
     ) -> web.StreamResponse:
         transport = request.transport
-        ssl_object = transport.get_extra_info("ssl_object") if transport else None
-        if ssl_object is None:
-            verdict: str | None = "the connection is not TLS"
-        elif ssl_object in self._verdicts:
-            verdict = self._verdicts[ssl_object]
-        else:
-            try:
-                check_master_client_cert(ssl_object.getpeercert(binary_form=True))
-                verdict = None
-            except ClientNotMaster as exc:
-                verdict = exc.message
-                peer = transport.get_extra_info("peername") if transport else None
-                log.warning("Refused a master client certificate: %s (peer %s)", verdict, peer)
-            self._verdicts[ssl_object] = verdict
+        verdict = self.peer_verdict(transport) if transport else "the connection is gone"
         if verdict is not None:
             response = _api_error_response(
                 ClientNotMaster(f"only the master may call the agent: {verdict}")

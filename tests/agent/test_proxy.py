@@ -1,8 +1,10 @@
-"""The streaming proxy against an in-process upstream (no TLS, no processes)."""
+"""The streaming proxy against an in-process upstream (no TLS, no processes), behind
+the agent's lean front and behind aiohttp's route."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -13,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from agent import ModelNotRunning
+from agent._front import FrontListener
 from agent._proxy import Proxy, Upstream
 from agent._server import error_middleware
 
@@ -30,6 +33,7 @@ class Env:
     release: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     ready: bool = True
+    front: FrontListener | None = None
 
     def url(self, path: str) -> str:
         return f"{self.base}/agent/v1/proxy/m-1{path}"
@@ -95,8 +99,12 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
     return app
 
 
-@pytest.fixture
-async def env() -> AsyncIterator[Env]:
+async def control(request: web.Request) -> web.Response:
+    return web.json_response({"served": "aiohttp", "path": request.path})
+
+
+@contextlib.asynccontextmanager
+async def environment(kind: str) -> AsyncIterator[Env]:
     holder: dict[str, Env] = {}
     up_runner = web.AppRunner(upstream_app(holder), handler_cancellation=True)
     await up_runner.setup()
@@ -113,17 +121,40 @@ async def env() -> AsyncIterator[Env]:
     await proxy.start()
     app = web.Application(middlewares=[error_middleware])
     app.router.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", proxy.handle)
+    app.router.add_get("/agent/v1/control", control)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    holder["env"] = Env(base=f"http://127.0.0.1:{runner.addresses[0][1]}", proxy=proxy)
+    front: FrontListener | None = None
+    if kind == "front":
+        front = FrontListener(proxy=proxy, fallback=runner.server, verdict=lambda _: None)
+        port = await front.start("127.0.0.1", 0)
+    else:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+    holder["env"] = Env(base=f"http://127.0.0.1:{port}", proxy=proxy, front=front)
     try:
         yield holder["env"]
     finally:
+        if holder["env"].front is not None:
+            await holder["env"].front.close(1.0)
         await runner.cleanup()
         await proxy.close()
         await up_runner.cleanup()
+
+
+@pytest.fixture(params=["front", "aiohttp"])
+async def env(request: pytest.FixtureRequest) -> AsyncIterator[Env]:
+    """The proxy behind the agent's lean front (D32) and behind aiohttp's route (which
+    serves proxy requests on connections that began with a control request)."""
+    async with environment(request.param) as env:
+        yield env
+
+
+@pytest.fixture
+async def front_env() -> AsyncIterator[Env]:
+    async with environment("front") as env:
+        yield env
 
 
 async def test_headers_path_query_and_authorization(env: Env) -> None:
@@ -297,3 +328,85 @@ async def test_headers_and_first_chunk_leave_in_one_write(
         assert b"data: second" in rest
     finally:
         writer.close()
+
+
+# -- the lean front's own behaviour (D32) ------------------------------------------------
+
+
+async def _exchange(port: int, data: bytes, until: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readuntil(until), 5)
+    finally:
+        writer.close()
+
+
+def _port(env: Env) -> int:
+    return int(env.base.rsplit(":", 1)[1])
+
+
+async def test_one_connection_carries_proxy_and_control_requests_in_any_order(
+    front_env: Env,
+) -> None:
+    env = front_env
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+        for path in ("/echo/1", "/echo/2"):  # keep-alive on the lean path
+            async with session.post(env.url(path), data=b"x") as resp:
+                assert (await resp.json())["rawPath"] == path
+        # A control request hands the connection to aiohttp, with the bytes read so far.
+        async with session.get(f"{env.base}/agent/v1/control") as resp:
+            assert await resp.json() == {"served": "aiohttp", "path": "/agent/v1/control"}
+        # On that connection aiohttp's route serves the proxy from now on.
+        async with session.post(env.url("/echo/3"), data=b"y") as resp:
+            assert (await resp.json())["body"] == "y"
+        assert env.front is not None and not env.front.connections  # it is aiohttp's now
+    assert env.proxy.in_flight == 0
+
+
+async def test_a_request_split_across_reads_is_handed_off_whole(front_env: Env) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(front_env))
+    try:
+        for piece in (b"GET /agent/v1/con", b"trol HTTP/1.1\r\nHo", b"st: x\r\n\r\n"):
+            writer.write(piece)
+            await writer.drain()
+            await asyncio.sleep(0.02)
+        answer = await asyncio.wait_for(reader.readuntil(b"}"), 5)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 200") and b'"served": "aiohttp"' in answer
+
+
+async def test_pipelined_requests_get_the_first_answer_then_a_close(front_env: Env) -> None:
+    one = b"GET /agent/v1/proxy/m-1/echo/a HTTP/1.1\r\nHost: x\r\n\r\n"
+    two = b"GET /agent/v1/proxy/m-1/echo/b HTTP/1.1\r\nHost: x\r\n\r\n"
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(front_env))
+    try:
+        writer.write(one + two)
+        await writer.drain()
+        everything = await asyncio.wait_for(reader.read(), 5)  # returns: it was closed
+    finally:
+        writer.close()
+    assert everything.count(b"HTTP/1.1 200") == 1 and b"/echo/a" in everything
+    assert b"Connection: close" in everything
+
+
+async def test_garbage_is_a_400_and_a_close(front_env: Env) -> None:
+    answer = await _exchange(_port(front_env), b"NOT HTTP AT ALL\r\n\r\n", b"}")
+    assert answer.startswith(b"HTTP/1.1 400") and b"invalid_request" in answer
+
+
+async def test_closing_waits_for_answers_in_progress(front_env: Env) -> None:
+    env = front_env
+    assert env.front is not None
+    async with aiohttp.ClientSession() as session:
+        resp = await session.get(env.url("/sse"))
+        assert await resp.content.readuntil(b"\n\n") == b"data: first\n\n"
+        closing = asyncio.create_task(env.front.close(5.0))
+        await asyncio.sleep(0.1)
+        assert not closing.done(), "close() must wait for the stream in progress"
+        env.release.set()
+        assert await asyncio.wait_for(resp.content.read(), 5) == b"data: second\n\n"
+        await asyncio.wait_for(closing, 5)
+    env.front = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import ssl
 
@@ -13,13 +14,13 @@ from agent_support import Pki, RunningAgent, client_context
 pytestmark = pytest.mark.timeout(30)
 
 
-async def raw_exchange(agent: RunningAgent, ctx: ssl.SSLContext) -> bytes:
+async def raw_exchange(
+    agent: RunningAgent, ctx: ssl.SSLContext, path: bytes = b"/agent/v1/info"
+) -> bytes:
     """Send one keep-alive request and read until the server closes the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", agent.server.port, ssl=ctx)
     try:
-        writer.write(
-            b"GET /agent/v1/info HTTP/1.1\r\nHost: agent\r\nConnection: keep-alive\r\n\r\n"
-        )
+        writer.write(b"GET %b HTTP/1.1\r\nHost: agent\r\nConnection: keep-alive\r\n\r\n" % path)
         await writer.drain()
         return await asyncio.wait_for(reader.read(), timeout=5)
     finally:
@@ -45,6 +46,18 @@ async def test_node_certificate_from_same_ca_refused_and_closed(
     assert b"Connection: close" in head
     assert b'"client_not_master"' in body
     assert "Refused a master client certificate" in caplog.text
+
+
+async def test_node_certificate_refused_on_the_proxy_path_too(
+    running_agent: RunningAgent, pki: Pki
+) -> None:
+    # Proxy requests are served by the lean front (D32), not behind the middleware.
+    ctx = client_context(pki, pki.node("n4"), running_agent.tmp / "n4")
+    data = await raw_exchange(running_agent, ctx, b"/agent/v1/proxy/some-instance/v1/models")
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 403")
+    assert b"Connection: close" in head and b"x-mirbad-agent-error: client_not_master" in head
+    assert json.loads(body)["error"]["code"] == "client_not_master"
 
 
 async def test_node_certificate_refused_via_http_client(
