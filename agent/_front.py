@@ -50,7 +50,8 @@ PREFIX = b"/agent/v1/proxy/"
 ERROR_HEADER = b"x-mirbad-agent-error"
 SMALL_BODY = 1024 * 1024  # up to this, request and answer bodies go in one write
 READ_PAUSE = 1024 * 1024  # a streamed upload stops reading above this much buffered
-KEEPALIVE_SECONDS = 75.0  # aiohttp's own keep-alive timeout
+KEEPALIVE_SECONDS = 75.0  # aiohttp's own keep-alive timeout; also bounds reading a head
+MAX_HEAD = 64 * 1024  # a request head larger than this is refused (aiohttp: 8 KiB a line)
 
 Verdict = Callable[[asyncio.BaseTransport], str | None]
 
@@ -142,6 +143,7 @@ class ProxyFront(asyncio.Protocol):
         self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._lost = False
+        self._head_written = False  # of the answer in progress
         self._idle: asyncio.TimerHandle | None = None
 
     @property
@@ -158,6 +160,8 @@ class ProxyFront(asyncio.Protocol):
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None or self.transport.is_closing():
+            return  # refused and closing: nothing more is read
         if self._request is None:
             self._raw += data
         try:
@@ -170,9 +174,13 @@ class ProxyFront(asyncio.Protocol):
                 raise
         except httptools.HttpParserError as exc:
             if self._request is None and not self.busy:
-                self._answer_bad_request(str(exc))
+                self._answer_bad_request(400, f"bad HTTP request: {exc}")
             else:
                 self.abort()
+            return
+        if self._request is None and len(self._raw) > MAX_HEAD:
+            # Still no complete head: a client may not make the agent hold it all.
+            self._answer_bad_request(431, f"the request head is over {MAX_HEAD} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
@@ -201,7 +209,6 @@ class ProxyFront(asyncio.Protocol):
         if self.busy or self._request is not None:
             self._pipelined = True
             raise _Stop
-        self._cancel_idle()
         self._url.clear()
         self._headers = []
 
@@ -221,6 +228,7 @@ class ProxyFront(asyncio.Protocol):
         ):
             self._handoff = True
             raise _Stop
+        self._cancel_idle()  # until here the keep-alive timer also bounds reading the head
         request = _Request(
             parser.get_method().decode(),
             self._url.decode("latin-1"),
@@ -288,7 +296,10 @@ class ProxyFront(asyncio.Protocol):
             return
         except Exception:
             log.exception("Unexpected error on %s %s", request.method, request.url)
-            self.abort()
+            if self._head_written:
+                self.abort()
+            else:
+                self._write_error(ApiError("unexpected agent error; see its log"), keep_alive=False)
         finally:
             self._finish(request)
 
@@ -410,6 +421,7 @@ class ProxyFront(asyncio.Protocol):
             return
         self._request = None
         self._raw = bytearray()
+        self._head_written = False
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()
@@ -419,6 +431,7 @@ class ProxyFront(asyncio.Protocol):
 
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self._lost:
+            self._head_written = True
             self.transport.write(data)
 
     def _keeps(self, keep_alive: bool) -> bool:
@@ -436,14 +449,12 @@ class ProxyFront(asyncio.Protocol):
         if not keep_alive and self.transport is not None:
             self.transport.close()
 
-    def _answer_bad_request(self, reason: str) -> None:
-        body = json.dumps(
-            {"error": {"code": "invalid_request", "message": f"bad HTTP request: {reason}"}}
-        ).encode()
+    def _answer_bad_request(self, status: int, message: str) -> None:
+        body = json.dumps({"error": {"code": "invalid_request", "message": message}}).encode()
         extra = b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(
             body
         )
-        self._write(_head(400, [], extra, keep_alive=False) + body)
+        self._write(_head(status, [], extra, keep_alive=False) + body)
         if self.transport is not None:
             self.transport.close()
 

@@ -397,6 +397,12 @@ async def test_garbage_is_a_400_and_a_close(front_env: Env) -> None:
     assert answer.startswith(b"HTTP/1.1 400") and b"invalid_request" in answer
 
 
+async def test_a_huge_request_head_is_refused(front_env: Env) -> None:
+    head = b"GET /agent/v1/proxy/m-1/echo HTTP/1.1\r\n" + b"X-Big: " + b"a" * 70_000
+    answer = await _exchange(_port(front_env), head, b"}")
+    assert answer.startswith(b"HTTP/1.1 431") and b"request head is over" in answer
+
+
 async def test_closing_waits_for_answers_in_progress(front_env: Env) -> None:
     env = front_env
     assert env.front is not None
