@@ -8,9 +8,10 @@ channel in that group and drops what the change touches. So a revoked key
 stops working everywhere as soon as the message arrives (milliseconds), and
 the caches' TTLs are only the fallback for a lost message, not the mechanism.
 
-Node statuses (read from Redis) are cached for a second per process, and
-dropped at once when the monitor publishes a change of that node on the
-``fleet`` group, which this listener also joins.
+Node statuses (read from Redis) are cached for a second per process (and served
+for one more while a read refreshes them), and dropped at once when the monitor
+publishes a change of that node on the ``fleet`` group, which this listener also
+joins.
 
 The group membership is refreshed every ``REJOIN_SECONDS`` because
 channels_redis expires group members it has not seen for a day.

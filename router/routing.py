@@ -29,6 +29,10 @@ log = logging.getLogger("mirbad.router")
 ROUTE_TTL = 10.0
 KEY_TTL = 10.0
 STATUS_TTL = 1.0
+# An entry expired less than this long ago is still served while one read refreshes
+# it: a change of the node's status drops the entry (the monitor's events), so only
+# a missed event leaves it stale, for at most TTL + this.
+STATUS_STALE = 1.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class RoutingTable:
         self._status_reads: dict[str, asyncio.Future[dict | None]] = {}
         self._loads: dict[tuple[int, str], asyncio.Future[Any]] = {}
         self._generation = 0  # bumped by every key or route change
+        self._status_generation = 0  # bumped by every status change
         self.in_flight: dict[str, int] = {}
 
     def invalidate(self, message: dict) -> None:
@@ -65,12 +70,14 @@ class RoutingTable:
             subject = event.get("node") or event.get("model") or {}
             node_id = subject.get("nodeId") if isinstance(subject, dict) else None
             if node_id:
+                self._status_generation += 1
                 self._statuses.pop(node_id, None)
             return
         if message.get("kind") in ("keys", "routes"):
             self._generation += 1
             self._loads.clear()  # loads under way may predate the change
         if message.get("kind") == "statuses":
+            self._status_generation += 1
             self._statuses.clear()
         elif message.get("kind") == "keys":
             self._keys.clear()
@@ -158,7 +165,10 @@ class RoutingTable:
 
         One read per node at a time: when the entry expires under load, hundreds of
         requests miss together, and a read each would exhaust Redis's connection
-        pool (measured at c=256). They all wait on the one read instead.
+        pool (measured at c=256). They all wait on the one read instead; and an entry
+        that expired just now is served while that read runs, so no request waits
+        for Redis on the routine refresh (it did, about once a second, on the path
+        to the first chunk).
         """
         now = time.monotonic()
         hit = self._statuses.get(node_id)
@@ -168,12 +178,23 @@ class RoutingTable:
         if pending is None:
             pending = asyncio.ensure_future(self._read_status(node_id, hit))
             self._status_reads[node_id] = pending
-            pending.add_done_callback(lambda _: self._status_reads.pop(node_id, None))
+            pending.add_done_callback(self._status_read_done(node_id))
+        if hit is not None and now - hit[0] < STATUS_STALE:
+            return hit[1]
         return await asyncio.shield(pending)
+
+    def _status_read_done(self, node_id: str) -> Callable[[asyncio.Future[Any]], None]:
+        def done(future: asyncio.Future[Any]) -> None:
+            self._status_reads.pop(node_id, None)
+            if not future.cancelled():
+                future.exception()  # a refresh nobody awaited must not log "never retrieved"
+
+        return done
 
     async def _read_status(
         self, node_id: str, previous: tuple[float, dict | None] | None
     ) -> dict | None:
+        generation = self._status_generation
         try:
             status = await status_cache.aread(node_id)
         except Exception as exc:  # Redis away: the last known status, briefly, else 503
@@ -183,7 +204,8 @@ class RoutingTable:
             raise errors.V1Error(
                 503, "server_busy", "Node statuses cannot be read right now.", retry_after=5
             ) from exc
-        self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
+        if generation == self._status_generation:  # else it may predate a change
+            self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
         return status  # type: ignore[return-value]
 
     async def _ready(self, route: Route) -> list[Replica]:

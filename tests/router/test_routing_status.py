@@ -49,6 +49,53 @@ async def test_redis_errors_fall_back_then_refuse(monkeypatch: pytest.MonkeyPatc
     assert caught.value.status == 503 and caught.value.code == "server_busy"
 
 
+async def test_a_status_expired_just_now_is_served_while_one_read_refreshes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = 0
+    current = {"nodeId": "n1", "state": "Online", "v": 1}
+
+    async def aread(node_id: str) -> dict:
+        nonlocal reads
+        reads += 1
+        answer = dict(current)
+        await asyncio.sleep(0.05)
+        return answer
+
+    monkeypatch.setattr(routing.status_cache, "aread", aread)
+    table = routing.RoutingTable()
+    assert (await table.status("n1"))["v"] == 1
+    _expiry, entry = table._statuses["n1"]
+    table._statuses["n1"] = (_time.monotonic() - 0.1, entry)  # expired a moment ago
+    current["v"] = 2
+    started = _time.monotonic()
+    answers = await asyncio.gather(*(table.status("n1") for _ in range(50)))
+    assert _time.monotonic() - started < 0.04, "nobody may wait for the refresh"
+    assert [a["v"] for a in answers] == [1] * 50 and reads == 2
+    await asyncio.sleep(0.1)
+    assert (await table.status("n1"))["v"] == 2 and reads == 2
+    # Long expired (no request for a while): the read is awaited, not the old entry.
+    table._statuses["n1"] = (_time.monotonic() - 2 * routing.STATUS_STALE, entry)
+    assert (await table.status("n1"))["v"] == 2 and reads == 3
+
+
+async def test_a_status_change_during_a_read_discards_its_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def aread(node_id: str) -> dict:
+        answer = {"nodeId": node_id, "state": "Online"}  # read before the change below
+        await asyncio.sleep(0.1)
+        return answer
+
+    monkeypatch.setattr(routing.status_cache, "aread", aread)
+    table = routing.RoutingTable()
+    first = asyncio.ensure_future(table.status("n1"))
+    await asyncio.sleep(0.02)
+    table.invalidate({"type": "console.event", "event": {"node": {"nodeId": "n1"}}})
+    assert (await first)["state"] == "Online"  # the request that asked before the change
+    assert "n1" not in table._statuses  # ...but its answer is not cached
+
+
 def _slow_loader(
     calls: list[str], answers: dict[str, object], delay: float = 0.05
 ) -> Callable[[str], object]:
