@@ -19,6 +19,7 @@ Public surface (everything else lives in private modules and may change)::
 from agent._config import AgentConfig, ExecutableEntry, load_config
 from agent._enroll import bootstrap_enroll, join
 from agent._errors import (
+    ERROR_HEADER,
     AgentError,
     ApiError,
     BadResponse,
@@ -53,6 +54,7 @@ from agent._version import PROTOCOL_VERSIONS, __version__
 from agent._wire import WirePool, WireResponse
 
 __all__ = [
+    "ERROR_HEADER",
     "PROTOCOL_VERSIONS",
     "AgentConfig",
     "AgentError",

@@ -47,6 +47,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+# Marks an answer as the agent's own error (its code as the value); an engine's
+# errors pass through the proxy without it, so the master's router tells them apart.
+ERROR_HEADER = "x-mirbad-agent-error"
+
 
 class AgentError(Exception):
     """Base of every error the agent raises deliberately."""

@@ -33,6 +33,7 @@ from typing import Any, cast
 import httptools
 
 from agent._errors import (
+    ERROR_HEADER,
     ApiError,
     ClientNotMaster,
     ReadTimeout,
@@ -47,7 +48,7 @@ __all__ = ["FrontListener", "ProxyFront"]
 log = logging.getLogger("mirbad.agent.proxy")
 
 PREFIX = b"/agent/v1/proxy/"
-ERROR_HEADER = b"x-mirbad-agent-error"
+ERROR_HEADER_BYTES = ERROR_HEADER.encode()
 SMALL_BODY = 1024 * 1024  # up to this, request and answer bodies go in one write
 READ_PAUSE = 1024 * 1024  # a streamed upload stops reading above this much buffered
 KEEPALIVE_SECONDS = 75.0  # aiohttp's own keep-alive timeout; also bounds reading a head
@@ -443,7 +444,8 @@ class ProxyFront(asyncio.Protocol):
         body = json.dumps(error.to_json()).encode()
         extra = (
             b"Content-Type: application/json; charset=utf-8\r\n"
-            b"Content-Length: %d\r\n%b: %b\r\n" % (len(body), ERROR_HEADER, error.code.encode())
+            b"Content-Length: %d\r\n%b: %b\r\n"
+            % (len(body), ERROR_HEADER_BYTES, error.code.encode())
         )
         self._write(_head(error.status, [], extra, keep_alive=keep_alive) + body)
         if not keep_alive and self.transport is not None:

@@ -24,6 +24,7 @@ from agent._config import AgentConfig
 from agent._describe import describe, disks, docker_reachable, memory, probe_gpus
 from agent._downloads import DownloadManager
 from agent._errors import (
+    ERROR_HEADER,
     ApiError,
     ClientNotMaster,
     DownloadRunning,
@@ -61,9 +62,6 @@ FEATURES = [
     "downloads.hf-native",
     "weights.inventory",
 ]
-
-
-ERROR_HEADER = "x-mirbad-agent-error"
 
 
 def error_response(code: str, message: str, status: int) -> web.Response:

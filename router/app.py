@@ -23,7 +23,14 @@ from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
 
-from agent import ConnectFailed, Disconnected, WireError, WirePool, WireResponse
+from agent import (
+    ERROR_HEADER,
+    ConnectFailed,
+    Disconnected,
+    WireError,
+    WirePool,
+    WireResponse,
+)
 from nodes import status_cache
 from nodes.services import node_ssl_context
 from router import errors, metrics, transform
@@ -59,9 +66,8 @@ HOP_BY_HOP = {
     b"date",  # the ASGI server sets its own
     b"server",
 }
-# Agent errors are marked by this header; engine errors pass through untouched.
-AGENT_ERROR_HEADER = "x-mirbad-agent-error"
-AGENT_ERROR_BYTES = AGENT_ERROR_HEADER.encode()
+# Agent errors are marked by the agent's ERROR_HEADER; engine errors pass through untouched.
+AGENT_ERROR_BYTES = ERROR_HEADER.encode()
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -358,7 +364,7 @@ class RouterApp:
                 ) from exc
             async with response:
                 header_start = time.perf_counter()
-                agent_error = response.header(AGENT_ERROR_HEADER)
+                agent_error = response.header(ERROR_HEADER)
                 if agent_error:
                     await self._agent_error(response, agent_error, name, node.node_id)
                 prefetched = await _small_body(response) if response.status == 503 else None
