@@ -8,4 +8,4 @@ COPY . .
 RUN useradd --system --uid 1654 mirbad && mkdir -p /data && chown mirbad /data
 USER mirbad
 EXPOSE 8080 8443 9443
-CMD ["python", "-m", "uvicorn", "mirbad_site.asgi:application", "--host", "0.0.0.0", "--port", "8080"]
+CMD ["python", "-m", "uvicorn", "mirbad_site.asgi:application", "--http", "mirbad_site.http_limits:LimitedHttpToolsProtocol", "--host", "0.0.0.0", "--port", "8080"]

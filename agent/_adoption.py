@@ -81,7 +81,7 @@ class Adoption:
         spec = parse_launch_spec(record["spec"])
         exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
         try:
-            alias = check_args(spec.args)
+            alias = check_args(spec.args, exe.version)
         except SpecRejected:
             alias = ""
         model_path = Path(record["modelPath"]) if record.get("modelPath") else Path()

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agent._errors import ConfigError
+from agent._http_limits import HttpLimits
 
 __all__ = [
     "ENV_PREFIX",
@@ -80,6 +81,12 @@ class AgentConfig:
     docker_endpoint: str = "unix:///var/run/docker.sock"
     gpus_expected: bool = False
     log_level: str = "INFO"
+    # The listener limits (agent._http_limits; docs/agent.md).
+    http_max_head_bytes: int = HttpLimits.max_head_bytes
+    http_max_headers: int = HttpLimits.max_headers
+    http_head_timeout_seconds: float = HttpLimits.head_timeout_seconds
+    http_body_idle_timeout_seconds: float = HttpLimits.body_idle_timeout_seconds
+    http_max_connections: int = HttpLimits.max_connections
     config_file: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -87,6 +94,17 @@ class AgentConfig:
         # once StateDirectory is; frozen dataclasses need object.__setattr__ for that.
         if self.models_root is None:
             object.__setattr__(self, "models_root", self.state_directory / "models")
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The listener limits as ``agent._http_limits`` takes them."""
+        return HttpLimits(
+            max_head_bytes=self.http_max_head_bytes,
+            max_headers=self.http_max_headers,
+            head_timeout_seconds=self.http_head_timeout_seconds,
+            body_idle_timeout_seconds=self.http_body_idle_timeout_seconds,
+            max_connections=self.http_max_connections,
+        )
 
     @property
     def models_root_path(self) -> Path:
@@ -398,6 +416,11 @@ _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "DockerEndpoint": ("docker_endpoint", _docker_endpoint),
     "GpusExpected": ("gpus_expected", _bool),
     "LogLevel": ("log_level", _log_level),
+    "HttpMaxHeadBytes": ("http_max_head_bytes", _int(1024, 16 * 1024 * 1024)),
+    "HttpMaxHeaders": ("http_max_headers", _int(8, 10_000)),
+    "HttpHeadTimeoutSeconds": ("http_head_timeout_seconds", _seconds(allow_zero=False)),
+    "HttpBodyIdleTimeoutSeconds": ("http_body_idle_timeout_seconds", _seconds(allow_zero=False)),
+    "HttpMaxConnections": ("http_max_connections", _int(1, 1_000_000)),
 }
 _REQUIRED = ("StateDirectory",)
 

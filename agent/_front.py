@@ -14,7 +14,10 @@ connection starts on ``ProxyFront``, which parses with httptools:
   fencing, operation log) and aiohttp's complete HTTP handling.
 
 The master's client certificate is checked for proxy requests here as the middleware
-checks it for the rest (one verdict per TLS connection, shared). Pipelined requests
+checks it for the rest (one verdict per TLS connection, shared). The listener limits
+(``agent._http_limits``: head size and header count, head and body deadlines, open
+connections) apply here to every connection, and go on applying after a hand-off,
+through a ``GuardedProtocol`` in front of aiohttp's. Pipelined requests
 are not served on this path: the connection closes after the answer in progress, and
 the client sends the next request again (the router never pipelines).
 """
@@ -40,6 +43,16 @@ from agent._errors import (
     UpstreamUnavailable,
     WireError,
 )
+from agent._http_limits import (
+    KEEPALIVE_SECONDS,
+    ConnectionGate,
+    GuardedProtocol,
+    HeadGuard,
+    HttpLimits,
+    Refused,
+    answer_and_close,
+)
+from agent._identity import handshake_refusal
 from agent._proxy import Proxy, Upstream, request_headers, response_headers, split_target
 from agent._wire import WireResponse
 
@@ -51,8 +64,6 @@ PREFIX = b"/agent/v1/proxy/"
 ERROR_HEADER_BYTES = ERROR_HEADER.encode()
 SMALL_BODY = 1024 * 1024  # up to this, request and answer bodies go in one write
 READ_PAUSE = 1024 * 1024  # a streamed upload stops reading above this much buffered
-KEEPALIVE_SECONDS = 75.0  # aiohttp's own keep-alive timeout; also bounds reading a head
-MAX_HEAD = 64 * 1024  # a request head larger than this is refused (aiohttp: 8 KiB a line)
 
 Verdict = Callable[[asyncio.BaseTransport], str | None]
 
@@ -126,8 +137,12 @@ class ProxyFront(asyncio.Protocol):
         fallback: Callable[[], asyncio.Protocol],
         verdict: Verdict,
         owner: FrontListener | None = None,
+        limits: HttpLimits | None = None,
     ) -> None:
         self._proxy = proxy
+        self._limits = limits or HttpLimits()
+        self._guard: HeadGuard | None = None
+        self._admitted = False  # holds a slot of the owner's gate
         self._fallback = fallback
         self._verdict = verdict
         self._owner = owner
@@ -146,6 +161,7 @@ class ProxyFront(asyncio.Protocol):
         self._lost = False
         self._head_written = False  # of the answer in progress
         self._idle: asyncio.TimerHandle | None = None
+        self._refused = False  # answered a refusal: nothing more is read
 
     @property
     def busy(self) -> bool:
@@ -156,18 +172,39 @@ class ProxyFront(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TLS transport is not an asyncio.Transport subclass, but it is one.
         self.transport = cast(asyncio.Transport, transport)
+        if handshake_refusal(transport.get_extra_info("ssl_object")) is not None:
+            # The TLS handshake failed: the verdict logs it, and the close sends the
+            # alert (agent._identity._AlertingSSLObject). Nothing is read from it.
+            self._verdict(transport)
+            self.transport.close()
+            return
         if self._owner is not None:
+            if not self._owner.gate.admit():
+                self._refused = True
+                answer_and_close(transport, 503, "the listener has too many connections")
+                return
+            self._admitted = True
             self._owner.connections.add(self)
+        self._guard = HeadGuard(self._limits, transport, self._expired)
         self._arm_idle()
 
     def data_received(self, data: bytes) -> None:
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing() or self._refused:
             return  # refused and closing: nothing more is read
         if self._request is None:
             self._raw += data
+        guard = self._guard
+        assert guard is not None
         try:
             self._parser.feed_data(data)
+            guard.after_feed(len(data))
+        except Refused as exc:
+            self._refuse(exc)
+            return
         except httptools.HttpParserCallbackError:
+            if guard.refusal is not None:
+                self._refuse(guard.refusal)
+                return
             if self._handoff:
                 self._hand_off()
                 return
@@ -179,14 +216,16 @@ class ProxyFront(asyncio.Protocol):
             else:
                 self.abort()
             return
-        if self._request is None and len(self._raw) > MAX_HEAD:
-            # Still no complete head: a client may not make the agent hold it all.
-            self._answer_bad_request(431, f"the request head is over {MAX_HEAD} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self._cancel_idle()
+        if self._guard is not None:
+            self._guard.close()
         if self._owner is not None:
+            if self._admitted:
+                self._admitted = False
+                self._owner.gate.release()
             self._owner.connections.discard(self)
             self._owner.changed()
         if self._task is not None and not self._task.done():
@@ -210,16 +249,24 @@ class ProxyFront(asyncio.Protocol):
         if self.busy or self._request is not None:
             self._pipelined = True
             raise _Stop
+        assert self._guard is not None
+        self._guard.message_begin()
         self._url.clear()
         self._headers = []
 
     def on_url(self, url: bytes) -> None:
+        assert self._guard is not None
+        self._guard.url(len(url))
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        assert self._guard is not None
+        self._guard.header(name, value)
         self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def on_headers_complete(self) -> None:
+        assert self._guard is not None
+        self._guard.headers_done()
         parser = self._parser
         if (
             not self._url.startswith(PREFIX)
@@ -266,6 +313,8 @@ class ProxyFront(asyncio.Protocol):
             self.transport.pause_reading()
 
     def on_message_complete(self) -> None:
+        assert self._guard is not None
+        self._guard.message_done()
         request = self._request
         if request is not None:
             request.complete = True
@@ -452,12 +501,28 @@ class ProxyFront(asyncio.Protocol):
             self.transport.close()
 
     def _answer_bad_request(self, status: int, message: str) -> None:
-        body = json.dumps({"error": {"code": "invalid_request", "message": message}}).encode()
-        extra = b"Content-Type: application/json; charset=utf-8\r\nContent-Length: %d\r\n" % len(
-            body
-        )
-        self._write(_head(status, [], extra, keep_alive=False) + body)
-        if self.transport is not None:
+        if self.transport is not None and not self._lost:
+            self._refused = True
+            self._head_written = True
+            answer_and_close(self.transport, status, message)
+
+    def _refuse(self, refused: Refused) -> None:
+        """A limit was broken: answer it unless an answer is being written, and close."""
+        if self._head_written:
+            self.abort()
+        else:
+            self._answer_bad_request(refused.status, refused.message)
+
+    def _expired(self, status: int | None, message: str) -> None:
+        """A head or body deadline passed (see ``HeadGuard``)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        log.debug("Closing a connection: %s", message)
+        if status is not None and not self.busy and not self._head_written:
+            self._answer_bad_request(status, message)
+        elif self.busy:
+            self.abort()  # the relay in progress ends with the connection
+        else:
             self.transport.close()
 
     def abort(self) -> None:
@@ -472,9 +537,15 @@ class ProxyFront(asyncio.Protocol):
         transport = self.transport
         assert transport is not None
         self._cancel_idle()
+        if self._guard is not None:
+            self._guard.close()
+        gate = None
         if self._owner is not None:
             self._owner.connections.discard(self)
-        protocol = self._fallback()
+            gate = self._owner.gate
+        # The limits go on for the connection's life; its slot in the gate goes with it.
+        protocol = GuardedProtocol(self._fallback(), self._limits, gate, admitted=self._admitted)
+        self._admitted = False
         transport.set_protocol(protocol)
         protocol.connection_made(transport)
         if self._read_paused:
@@ -500,24 +571,44 @@ class ProxyFront(asyncio.Protocol):
 class FrontListener:
     """The agent's listening socket with ``ProxyFront`` on every connection."""
 
-    def __init__(self, *, proxy: Proxy, fallback: Callable[[], Any], verdict: Verdict) -> None:
+    def __init__(
+        self,
+        *,
+        proxy: Proxy,
+        fallback: Callable[[], Any],
+        verdict: Verdict,
+        limits: HttpLimits | None = None,
+    ) -> None:
         self._proxy = proxy
         self._fallback = fallback
         self._verdict = verdict
+        self.limits = limits or HttpLimits()
+        self.gate = ConnectionGate(self.limits.max_connections)  # fronts and handed-off ones
         self._server: asyncio.Server | None = None
         self._changed = asyncio.Event()
         self.connections: set[ProxyFront] = set()
 
     def _protocol(self) -> ProxyFront:
         return ProxyFront(
-            proxy=self._proxy, fallback=self._fallback, verdict=self._verdict, owner=self
+            proxy=self._proxy,
+            fallback=self._fallback,
+            verdict=self._verdict,
+            owner=self,
+            limits=self.limits,
         )
 
     async def start(self, host: str | None, port: int, *, ssl: Any = None) -> int:
         """Listen; returns the port (the one picked when ``port`` is 0)."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            self._protocol, host or None, port, ssl=ssl, backlog=128, reuse_address=True
+            self._protocol,
+            host or None,
+            port,
+            ssl=ssl,
+            # A TLS handshake is part of reaching the first request head: same deadline.
+            ssl_handshake_timeout=self.limits.head_timeout_seconds if ssl is not None else None,
+            backlog=128,
+            reuse_address=True,
         )
         return int(self._server.sockets[0].getsockname()[1])
 

@@ -212,7 +212,7 @@ class ProcessRuntime(Adoption):
         """
         spec = parse_launch_spec(body)
         check_runtime(spec)
-        alias = check_args(spec.args)
+        alias = check_args(spec.args, spec.executable_version)
         check_env(spec.env)
         model_path = resolve_model_path(
             self._config.models_root_path, spec.model_folder, spec.model_file
@@ -220,6 +220,9 @@ class ProcessRuntime(Adoption):
         if spec.gpu_uuids:
             await self._check_gpus_present(spec.gpu_uuids)
         exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
+        if exe.version != spec.executable_version:
+            # The node's default was chosen: check against that version's allow-list too.
+            check_args(spec.args, exe.version)
         async with self._launch_lock:
             current = self._instances.get(spec.instance_id)
             if current is not None and current.state in (STARTING, READY):

@@ -10,8 +10,9 @@ instance's own key, so a caller never needs (or learns) it. The lean wire client
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -19,7 +20,7 @@ from aiohttp import web
 from agent._errors import ReadTimeout, ServerBusy, UpstreamUnavailable, WireError
 from agent._wire import WirePool, WireResponse
 
-__all__ = ["Proxy", "Upstream", "request_headers", "response_headers"]
+__all__ = ["Proxy", "Upstream", "engine_slots", "request_headers", "response_headers"]
 
 log = logging.getLogger("mirbad.agent.proxy")
 
@@ -40,6 +41,8 @@ _HOP_BY_HOP = frozenset(
 _REQUEST_DROP = frozenset({"host", "authorization", "expect", "content-length"})
 _SMALL_BODY = 1024 * 1024
 _CHUNK = 64 * 1024
+_SLOT_FLAGS = ("-np", "--parallel")
+LLAMA_AUTO_SLOTS = 4  # llama-server's slots without -np (or with -np -1: "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +52,27 @@ class Upstream:
     port: int
     key: str
     served_name: str
+    # The requests the engine serves at once (llama-server's -np); the proxy keeps no
+    # more idle connections to it than that. None: the pool's own limit.
+    slots: int | None = None
+
+
+@functools.lru_cache(maxsize=256)
+def engine_slots(args: Sequence[str]) -> int:
+    """The parallel slots a llama-server argv asks for: the last ``-np``/``--parallel``
+    (llama-server takes the last of a repeated flag), llama-server's auto value when
+    there is none. ``args`` must be hashable (a launch spec's tuple)."""
+    value: str | None = None
+    for index, arg in enumerate(args):
+        if arg in _SLOT_FLAGS and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(("-np=", "--parallel=")):
+            value = arg.partition("=")[2]
+    try:
+        slots = int(value) if value is not None else -1
+    except ValueError:
+        slots = -1  # llama-server refuses to start on it; nothing is proxied anyway
+    return slots if slots >= 1 else LLAMA_AUTO_SLOTS
 
 
 def _connection_tokens(values: list[str]) -> frozenset[str]:
@@ -128,7 +152,10 @@ class Proxy:
 
     async def start(self) -> None:
         # llama-server (cpp-httplib) drops idle keep-alive connections after 5 s;
-        # giving them up after 4 s here avoids reusing one it is just closing. The wire
+        # giving them up after 4 s here avoids reusing one it is just closing (and the
+        # wire client sends a request again that met such a close unanswered). Each
+        # engine keeps at most its slots idle (Upstream.slots, from -np): one for every
+        # request it can start at once, not one per request of the last burst. The wire
         # client carries no state between callers (no cookies, no auth of its own), and
         # bytes pass through as the engine encoded them, with its Content-Encoding.
         self._pool = WirePool(
@@ -175,6 +202,7 @@ class Proxy:
                 headers=headers,
                 body=body,
                 read_timeout=self._idle or None,
+                max_idle=upstream.slots,
             )
         except ReadTimeout:
             raise UpstreamUnavailable(self.idle_message(upstream)) from None

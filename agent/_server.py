@@ -3,8 +3,8 @@
 :class:`AgentServer` is the composition root: it verifies the executables, starts the
 process runtime, the proxy and the health monitor, and serves the contract's endpoints
 (docs/agent-api.md) on ListenAddress:Port. The TLS handshake already requires a client
-certificate chained to our CA; the first middleware adds the role check (only the
-master may call) once per connection.
+certificate chained to our CA (a refused one gets its TLS alert and a logged WARNING);
+the first middleware adds the role check (only the master may call) once per connection.
 """
 
 from __future__ import annotations
@@ -37,10 +37,17 @@ from agent._executables import Catalogue
 from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
 from agent._front import FrontListener
 from agent._gguf import is_model_file, read_summary
-from agent._identity import Identity, check_master_client_cert, server_ssl_context
+from agent._http_limits import aiohttp_handler_limits
+from agent._identity import (
+    Identity,
+    check_master_client_cert,
+    handshake_refusal,
+    server_ssl_context,
+)
 from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
 from agent._process import ProcessRuntime
-from agent._proxy import Proxy, Upstream
+from agent._proxy import Proxy, Upstream, engine_slots
+from agent._refusals import RefusalLog
 from agent._spec import FOLDER_RE, resolve_model_path
 from agent._telemetry import HealthMonitor, Telemetry, host_facts
 from agent._util import utc_now_iso
@@ -146,6 +153,8 @@ class AgentServer:
         )
         self._heartbeat = heartbeat_interval
         self._verdicts: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+        # Refused handshakes and certificates: one WARNING a second per peer at most.
+        self.refusals = RefusalLog(log)
         self._runner: web.AppRunner | None = None
         self._front: FrontListener | None = None
         self._facts = host_facts()
@@ -189,16 +198,18 @@ class AgentServer:
         await self.proxy.start()
         await self.health.refresh()
         self.health.start()
+        limits = self.config.http_limits
         self._runner = web.AppRunner(
             self.build_app(),
             handler_cancellation=True,
             shutdown_timeout=self.config.shutdown_timeout_seconds,
+            **aiohttp_handler_limits(limits),
         )
         await self._runner.setup()
         # Proxy requests are served on a lean protocol; any other request hands its
         # connection to aiohttp (D32).
         self._front = FrontListener(
-            proxy=self.proxy, fallback=self._runner.server, verdict=self.peer_verdict
+            proxy=self.proxy, fallback=self._runner.server, verdict=self.peer_verdict, limits=limits
         )
         self.port = await self._front.start(
             self.config.listen_address, self.config.port, ssl=self.ssl_context()
@@ -233,7 +244,12 @@ class AgentServer:
     def _upstream(self, instance_id: str) -> Upstream:
         inst = self.runtime.upstream(instance_id)
         assert inst.port is not None
-        return Upstream(port=inst.port, key=inst.key, served_name=inst.spec.served_name)
+        return Upstream(
+            port=inst.port,
+            key=inst.key,
+            served_name=inst.spec.served_name,
+            slots=engine_slots(inst.spec.args),
+        )
 
     # -- app -------------------------------------------------------------------------
 
@@ -275,12 +291,19 @@ class AgentServer:
         if ssl_object in self._verdicts:
             return self._verdicts[ssl_object]
         verdict: str | None = None
-        try:
-            check_master_client_cert(ssl_object.getpeercert(binary_form=True))
-        except ClientNotMaster as exc:
-            verdict = exc.message
-            peer = transport.get_extra_info("peername")
-            log.warning("Refused a master client certificate: %s (peer %s)", verdict, peer)
+        peer = transport.get_extra_info("peername")
+        failed = handshake_refusal(ssl_object)
+        if failed is not None:
+            verdict = f"the TLS handshake failed: {failed}"
+            self.refusals.refused(
+                peer, "Refused a TLS handshake", f"{failed} (closed with a TLS alert)"
+            )
+        else:
+            try:
+                check_master_client_cert(ssl_object.getpeercert(binary_form=True))
+            except ClientNotMaster as exc:
+                verdict = exc.message
+                self.refusals.refused(peer, "Refused a master client certificate", verdict)
         self._verdicts[ssl_object] = verdict
         return verdict
 

@@ -1,10 +1,11 @@
 """Launch specs: parsing, guardrails, model path confinement and the fingerprint.
 
-The master builds every argv; the agent still refuses anything that would let a spec
-escape its guardrails: listening anywhere but loopback, on a port the agent did not
-pick, with an API key or log file of its own, or loading a file outside the models
-root. A malformed body is 400 invalid_request; a well-formed spec that breaks a rule is
-422 spec_rejected. Both name the field or argument at fault.
+The master builds every argv; the agent still checks every token of it against the
+engine's flag allow-list (agent._engine_flags), so a spec cannot listen anywhere but
+loopback, on a port the agent did not pick, start a process, enable a tool or read a
+file; and it refuses a model file outside the models root. A malformed body is 400
+invalid_request; a well-formed spec that breaks a rule is 422 spec_rejected. Both name
+the field or argument at fault.
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from agent._engine_flags import (
+    MODEL_PLACEHOLDER,
+    PORT_PLACEHOLDER,
+    FlagRefused,
+    check_engine_argv,
+)
 from agent._errors import InvalidRequest, SpecRejected
 
 __all__ = [
@@ -35,13 +42,6 @@ __all__ = [
 
 INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 FOLDER_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-MODEL_PLACEHOLDER = "{model}"
-PORT_PLACEHOLDER = "{port}"
-LOOPBACK = "127.0.0.1"
-# Flags whose value the agent owns; llama-server takes the last value of a repeated
-# flag, so one of these anywhere in argv would override what the agent set up.
-_REFUSED_FLAGS = ("--api-key", "--api-key-file", "--log-file")
-_ALIAS_FLAGS = ("--alias", "-a")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 # Variables the agent sets itself, and the dynamic loader's, which would let a spec run
 # foreign code inside the engine.
@@ -191,58 +191,20 @@ def check_runtime(spec: LaunchSpec) -> None:
         )
 
 
-def check_args(args: tuple[str, ...]) -> str:
-    """Enforce the argv guardrails; returns the ``--alias`` value the Ready check needs."""
-    alias: str | None = None
-    port_seen = False
-    index = 0
-    while index < len(args):
-        arg = args[index]
-        nxt = args[index + 1] if index + 1 < len(args) else None
-        flag, has_eq, inline = arg.partition("=")
-        if flag.startswith("--") and any(flag == f or flag.startswith(f) for f in _REFUSED_FLAGS):
-            raise SpecRejected(f"argument {index} ({flag}) is refused: the agent sets it itself")
-        if flag == "--host":
-            value = inline if has_eq else nxt
-            if value != LOOPBACK:
-                raise SpecRejected(
-                    f"argument {index} (--host {value}) is refused: engines listen on {LOOPBACK} only"
-                )
-            index += 1 if has_eq else 2
-            continue
-        if flag == "--port":
-            if has_eq or nxt != PORT_PLACEHOLDER:
-                raise SpecRejected(
-                    f"argument {index} (--port) is refused: the only allowed form is "
-                    f"'--port {PORT_PLACEHOLDER}' (the agent picks the port)"
-                )
-            port_seen = True
-            index += 2
-            continue
-        if flag in _ALIAS_FLAGS:
-            value = inline if has_eq else nxt
-            if not value:
-                raise SpecRejected(f"argument {index} ({flag}) has no value")
-            alias = value
-            index += 1 if has_eq else 2
-            continue
-        if arg not in (MODEL_PLACEHOLDER, PORT_PLACEHOLDER) and (
-            MODEL_PLACEHOLDER in arg or PORT_PLACEHOLDER in arg
-        ):
-            raise SpecRejected(
-                f"argument {index} ({arg!r}) uses a placeholder inside a longer argument; "
-                "{model} and {port} must be whole arguments"
-            )
-        if arg == PORT_PLACEHOLDER:
-            raise SpecRejected(f"argument {index} ({{port}}) may only follow --port")
-        index += 1
-    if not port_seen:
+def check_args(args: tuple[str, ...], version: str | None = None) -> str:
+    """Check the whole argv against the engine's allow-list; returns the ``--alias`` value.
+
+    ``version`` is the executable's (None: the newest allow-list). Every token must be
+    an allowed flag or its value (agent._engine_flags, the list the master checks
+    extra args against too), so a spec that bypasses the master's builder still
+    cannot start a process, read a file or listen anywhere but loopback.
+    """
+    try:
+        return check_engine_argv(args, engine="llamacpp", version=version)
+    except FlagRefused as exc:
         raise SpecRejected(
-            f"args must contain '--port {PORT_PLACEHOLDER}' (the agent picks the port)"
-        )
-    if alias is None:
-        raise SpecRejected("args must set --alias: the Ready check looks for it in /v1/models")
-    return alias
+            f"argument {exc.index} is refused: {exc.message}", details={"flag": exc.flag}
+        ) from None
 
 
 def check_env(env: tuple[tuple[str, str], ...]) -> None:

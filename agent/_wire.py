@@ -13,7 +13,14 @@ together (docs/decisions.md D29). This module does only what the hops need:
 - an idle read timeout (no byte from the server for that long ends the request), a
   connect timeout, back-pressure both ways (reading pauses while the consumer lags);
 - closing a response before its end aborts the connection, so the server sees the
-  request go away at once (the router relies on it when its client leaves).
+  request go away at once (the router relies on it when its client leaves);
+- a kept connection the server has closed costs no request: one whose end already
+  arrived is dropped when picked, and a request on a reused connection that fails
+  before any answer byte (its body in memory, so it can be sent again) is sent once
+  more on a fresh connection. llama-server closes its side right after every streamed
+  answer, without ``Connection: close``, so the race is there on every stream. A fresh
+  connection's failure is the caller's: that server is really not answering
+  (docs/decisions.md D39).
 
 Errors: ``WireError`` and its subclasses, drawn in ``agent._errors``.
 """
@@ -23,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import select
 import ssl
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -59,6 +67,7 @@ class _Connection(asyncio.Protocol):
         "closed",
         "idle_since",
         "key",
+        "max_idle",
         "pool",
         "response",
         "transport",
@@ -71,6 +80,7 @@ class _Connection(asyncio.Protocol):
         self.response: WireResponse | None = None
         self.closed = False
         self.idle_since = 0.0
+        self.max_idle = pool._max_idle  # idle connections kept for this key (per request)
         self._parser: Any = None
         self._paused_writing = False
         self._drain: asyncio.Future[None] | None = None
@@ -89,6 +99,7 @@ class _Connection(asyncio.Protocol):
             self.abort()
             return
         response.last_read = time.monotonic()
+        response.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -218,6 +229,7 @@ class WireResponse:
         "head_only",
         "last_read",
         "raw_headers",
+        "received",
         "status",
     )
 
@@ -227,6 +239,7 @@ class WireResponse:
         self.head_only = head_only
         self.done = False  # the whole answer arrived (or failed)
         self.last_read = time.monotonic()
+        self.received = False  # any byte of the answer arrived (then it is never resent)
         self._conn: _Connection | None = conn
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
@@ -450,6 +463,7 @@ class WirePool:
         self._idle: dict[tuple[Any, ...], collections.deque[_Connection]] = {}
         self._all: set[_Connection] = set()
         self._closed = False
+        self.retries = 0  # requests sent again after a reused connection failed unanswered
 
     async def request(
         self,
@@ -462,20 +476,60 @@ class WirePool:
         body: Body = None,
         ssl_context: ssl.SSLContext | None = None,
         read_timeout: float | None = None,
+        max_idle: int | None = None,
     ) -> WireResponse:
         """Send one request; returns once the answer's status and headers arrived.
 
         ``target`` is the path and query exactly as they go on the wire (already
         percent-encoded). ``headers`` must not carry Host, Content-Length,
         Transfer-Encoding or Connection: the request framing is this module's.
+        ``max_idle`` caps the idle connections kept for this host and port once this
+        answer ends (the pool's ``max_idle_per_host`` when None).
+
+        A reused connection that fails before any answer byte is retried once on a
+        fresh one when ``body`` is bytes or None (a streamed body is consumed as it is
+        sent, so it cannot be sent twice).
         """
         if self._closed:
             raise WireError("the connection pool is closed")
         head = _head(method, target, host, port, headers, body)  # refuses bad headers first
         key = (host, port, id(ssl_context) if ssl_context is not None else None)
+        cap = self._max_idle if max_idle is None else max_idle
         conn = self._take(key)
-        if conn is None:
-            conn = await self._connect(key, host, port, ssl_context)
+        if conn is not None:
+            replayable = body is None or isinstance(body, bytes | bytearray | memoryview)
+            response = await self._exchange(
+                conn, method, head, body, read_timeout, cap, stale_is_none=replayable
+            )
+            if response is not None:
+                return response
+            # The server closed this kept connection as the request went out (its
+            # keep-alive timeout, or its end not yet read here): nothing of it was
+            # answered, so it goes again, once, on a connection of its own.
+            self.retries += 1
+            if self._closed:
+                raise WireError("the connection pool is closed")
+        conn = await self._connect(key, host, port, ssl_context)
+        response = await self._exchange(
+            conn, method, head, body, read_timeout, cap, stale_is_none=False
+        )
+        assert response is not None
+        return response
+
+    async def _exchange(
+        self,
+        conn: _Connection,
+        method: str,
+        head: bytes,
+        body: Body,
+        read_timeout: float | None,
+        max_idle: int,
+        *,
+        stale_is_none: bool,
+    ) -> WireResponse | None:
+        """One request on ``conn`` up to its answer's headers. With ``stale_is_none``, a
+        connection that closes before any answer byte returns None instead of raising."""
+        conn.max_idle = max_idle
         response = WireResponse(conn, head_only=method == "HEAD", read_timeout=read_timeout)
         conn.begin(response)
         try:
@@ -492,6 +546,11 @@ class WirePool:
                 conn.write(head)
                 await _send_chunked(conn, body)
             await response.wait_headers()
+        except Disconnected:
+            response.close()
+            if stale_is_none and not response.received:
+                return None
+            raise
         except BaseException:
             response.close()
             raise
@@ -507,7 +566,9 @@ class WirePool:
             if conn.closed or conn.transport is None or conn.transport.is_closing():
                 self._all.discard(conn)
                 continue
-            if now - conn.idle_since > self._keepalive:
+            if now - conn.idle_since > self._keepalive or _readable(conn.transport):
+                # Too old, or the server's FIN (or stray bytes) already arrived and the
+                # loop has not read it yet: reusing it would fail the request.
                 self._forget(conn)
                 conn.close()
                 continue
@@ -540,11 +601,16 @@ class WirePool:
         if self._closed:
             conn.close()
             return
-        idle = self._idle.setdefault(conn.key, collections.deque())
-        if len(idle) >= self._max_idle:
+        if conn.max_idle <= 0:
             conn.close()
             self._all.discard(conn)
             return
+        idle = self._idle.setdefault(conn.key, collections.deque())
+        while len(idle) >= conn.max_idle:
+            # Over the cap: the longest idle goes, the nearest to its server's timeout.
+            oldest = idle.popleft()
+            self._all.discard(oldest)
+            oldest.close()
         idle.append(conn)
 
     def _forget(self, conn: _Connection) -> None:
@@ -589,6 +655,17 @@ def _head(
     else:
         lines.append("Transfer-Encoding: chunked\r\n\r\n")
     return "".join(lines).encode("latin-1")
+
+
+def _readable(transport: asyncio.Transport) -> bool:
+    """Whether an idle connection's socket has something to read: its end, a reset, or
+    bytes the server may not send unasked. One poll(2) with no wait."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _host(host: str) -> str:

@@ -159,7 +159,10 @@ class MirbadStack:
                 "servedName": MODEL,
                 "sourceFolder": MODEL,
                 "sourceFile": f"{MODEL}.gguf",
-                "settings": {"context_size": 512, "parallel": 1, "gpu_layers": 0},
+                # The stub answers every request at once; its slots bound the agent's
+                # idle pool per engine (D39), so give it as many as the bench's
+                # highest concurrency.
+                "settings": {"context_size": 512, "parallel": 256, "gpu_layers": 0},
                 "node": "local",
             },
         )

@@ -1,4 +1,8 @@
-"""/api authentication: a console session, or an API key with the admin scope."""
+"""/api authentication: a console session, or an API key with the admin scope.
+
+Failed key lookups count towards the source address's limit, shared with /v1
+(mirbad_site.throttle): past it, a key is not looked up and the answer is 429.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,10 @@ from typing import Any
 from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 
+from mirbad_site import throttle
 from router import keys
+
+_BLOCKED = "Too many failed API key lookups from this address; no key is checked for now."
 
 
 class ApiKeyAuthentication(authentication.BaseAuthentication):
@@ -15,8 +22,18 @@ class ApiKeyAuthentication(authentication.BaseAuthentication):
         header = request.META.get("HTTP_AUTHORIZATION", "")
         if not header.startswith("Bearer "):
             return None
-        info = keys.lookup(header[7:].strip())
+        address = request.META.get("REMOTE_ADDR")
+        wait = throttle.key_failures.blocked(address)
+        if wait is not None:
+            raise exceptions.Throttled(wait=wait, detail=_BLOCKED)
+        token = header[7:].strip()
+        info = keys.lookup(token)
         if info is None:
+            verdict = throttle.key_failures.record(
+                address, where=request.path, prefix=throttle.key_prefix(token)
+            )
+            if verdict.refused:
+                raise exceptions.Throttled(wait=verdict.retry_after, detail=_BLOCKED)
             raise exceptions.AuthenticationFailed("The API key is unknown, revoked or expired.")
         return (None, info)
 

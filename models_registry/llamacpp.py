@@ -1,10 +1,13 @@
 """Typed llama.cpp settings and the one argv builder for llama-server.
 
-The master's builder is the only code that knows llama-server's flags. The
+The master's builder is the only code that builds llama-server's argv. The
 argv order is fixed so the execution fingerprint is stable: the same settings
-always give the same argv, byte for byte. Extra args that would override a
-typed setting (llama-server takes the last value of a repeated flag) are
-refused, because admission computed the memory budget from the typed value.
+always give the same argv, byte for byte. Extra args and the chat template are
+checked against the engine's flag allow-list (agent._engine_flags, which the
+agent checks every launch against again): only the operator flags it names,
+each with a value of its shape. A flag that is a typed setting or set by the
+system is refused in extra args (llama-server takes the last value of a
+repeated flag, and admission computed the memory budget from the typed value).
 """
 
 from __future__ import annotations
@@ -14,11 +17,20 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-MODEL_PLACEHOLDER = "{model}"
-PORT_PLACEHOLDER = "{port}"
+from agent import (
+    LOOPBACK,
+    MODEL_PLACEHOLDER,
+    PORT_PLACEHOLDER,
+    FlagRefused,
+    check_chat_template,
+    check_extra_args,
+)
+from mirbad_site.errors import ServiceError
+
+ENGINE = "llamacpp"
 
 ALWAYS_FLAGS = [
-    "--host", "127.0.0.1",
+    "--host", LOOPBACK,
     "--port", PORT_PLACEHOLDER,
     "--metrics",
     "--no-ui",
@@ -30,21 +42,6 @@ FLASH_ATTENTION = ("on", "off", "auto")
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 POOLING = ("none", "mean", "cls", "last", "rank")
 REASONING = ("on", "off", "auto")
-
-# Flags an extra arg may not set, in every spelling llama-server accepts.
-REFUSED_FLAGS = frozenset(
-    """
-    --host --port --api-key --api-key-file --alias -a -m --model --fit --log-file --device -dev
-    --ui --no-ui --webui --no-webui --cache-ram -cram -c --ctx-size -np --parallel -ngl
-    --gpu-layers --n-gpu-layers -b --batch-size -ub --ubatch-size -ctk --cache-type-k -ctv
-    --cache-type-v -fa --flash-attn --embedding --embeddings --pooling -ts --tensor-split -mg
-    --main-gpu --mmproj -mm --chat-template --chat-template-file --reasoning -t --threads
-    --metrics --path --model-url -mu -hf --hf-repo -hff --hf-file --lora --lora-scaled
-    --control-vector --slot-save-path -md --model-draft --grammar-file --json-schema-file
-    --ssl-key-file --ssl-cert-file -lv --verbosity --log-verbose -fit -fitt --fit-target -fitc
-    --fit-ctx -rea --api-prefix
-    """.split()
-)
 
 
 class SettingsError(ValueError):
@@ -122,10 +119,10 @@ class LlamaCppSettings:
             if name in values and not isinstance(values[name], bool):
                 errors[name] = "must be true or false"
         template = values.get("chat_template")
-        if template is not None and (
-            not isinstance(template, str) or not template.startswith("builtin:")
-        ):
-            errors["chat_template"] = "must be 'builtin:<name>' (a file path is not accepted)"
+        if template is not None:
+            problem = _check_template(template)
+            if problem:
+                errors["chat_template"] = problem
         extra = values.get("extra_args", [])
         if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
             errors["extra_args"] = "must be a list of strings"
@@ -149,17 +146,39 @@ class LlamaCppSettings:
         return min(self.context_size, 2048) if self.causal_attention else self.context_size
 
 
+def saved_settings(data: dict[str, Any] | None, *, model: str) -> LlamaCppSettings:
+    """A saved model's settings, parsed; 409 llamacpp_settings_invalid naming the field.
+
+    A definition saved before a rule was tightened (issue 11: the flag allow-list)
+    can hold settings that are now refused; starting it must say so, not fail.
+    """
+    try:
+        return LlamaCppSettings.from_dict(data)
+    except SettingsError as exc:
+        name, problem = next(iter(exc.errors.items()))
+        raise ServiceError(
+            409,
+            "llamacpp_settings_invalid",
+            f"Model '{model}': its saved settings.{name} are refused now: {problem}. "
+            "Change them (PATCH the model's settings) before starting it.",
+            details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
+        ) from None
+
+
 def _check_extra_args(args: list[str]) -> str | None:
-    for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in REFUSED_FLAGS:
-            return (
-                f"{flag!r} may not be passed as an extra arg: it is a typed setting or set by "
-                "the system; use the setting instead"
-            )
-        if "/" in arg or "\\" in arg:
-            return f"{arg!r} looks like a path; extra args may not carry paths"
+    """None when every extra arg is an allowed operator flag or its value, else why not."""
+    try:
+        check_extra_args(args, engine=ENGINE)
+    except FlagRefused as exc:
+        return f"argument {exc.index}: {exc.message}"
     return None
+
+
+def _check_template(template: object) -> str | None:
+    """None for ``builtin:<name>`` with a name of the engine's own list, else why not."""
+    if not isinstance(template, str) or not template.startswith("builtin:"):
+        return "must be 'builtin:<name>' (a file path or a template text is not accepted)"
+    return check_chat_template(template.removeprefix("builtin:"), engine=ENGINE)
 
 
 def build_argv(

@@ -3,7 +3,11 @@
 Every connection is pinned: the TLS context checks the agent's certificate
 inside the handshake (chain, the node's SPIFFE id, the SPKI pin), so no request
 byte reaches a machine that is not the node we meant. httpx serves the control
-plane; the /v1 data path uses aiohttp in ``router/``.
+plane; the /v1 data path uses the agent package's wire client in ``router/`` (D29).
+
+Every value put into a request path goes through :func:`path_segment`, percent-encoded
+whole: a folder name holding ``?file=``, ``/`` or a NUL stays one segment of the path
+the agent parses (and refuses), never a query or another path.
 """
 
 from __future__ import annotations
@@ -13,10 +17,14 @@ import ssl
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from django.conf import settings
 
+from agent import InvalidRequest
+from agent._spec import check_folder_name
+from mirbad_site.errors import ServiceError
 from nodes import fencing
 from nodes.models import Node
 from nodes.services import node_ssl_context
@@ -47,6 +55,29 @@ class AgentRefused(AgentError):
         self.code = code
         self.message = message
         self.details = details or {}
+
+
+def check_folder(folder: object, field: str = "folder") -> str:
+    """``folder`` if the agent takes it as a model folder name, else a 400 naming ``field``.
+
+    The agent's own rule (``agent._spec.check_folder_name``), so the master's API refuses
+    exactly what the agent would, before it picks a node or sends anything.
+    """
+    try:
+        # The agent's message starts with what it is given; the master's say "field: ...".
+        return check_folder_name(folder, f"{field}:")
+    except InvalidRequest as exc:
+        raise ServiceError(400, "invalid_request", exc.message, details={"field": field}) from None
+
+
+def path_segment(value: str) -> str:
+    """``value`` as one segment of an agent URL path, every reserved character encoded."""
+    if value in ("", ".", ".."):
+        # Encoding leaves these alone, and a client or server may resolve them away.
+        raise AgentRefused(
+            status=400, code="invalid_request", message=f"{value!r} is not a usable name"
+        )
+    return quote(value, safe="")
 
 
 def _base(node: Node) -> str:
@@ -136,11 +167,13 @@ class AgentClient:
         return self._request("POST", "/instances", json=spec, headers=self._fenced())
 
     def stop(self, instance_id: str) -> dict[str, Any]:
-        return self._request("POST", f"/instances/{instance_id}/stop", headers=self._fenced())
+        return self._request(
+            "POST", f"/instances/{path_segment(instance_id)}/stop", headers=self._fenced()
+        )
 
     def gguf(self, folder: str, file: str | None) -> dict[str, Any]:
         params = {"file": file} if file else None
-        return self._request("GET", f"/folders/{folder}/gguf", params=params)
+        return self._request("GET", f"/folders/{path_segment(folder)}/gguf", params=params)
 
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]
@@ -154,16 +187,18 @@ class AgentClient:
         return self._request("GET", "/downloads")["downloads"]
 
     def download(self, folder: str) -> dict[str, Any]:
-        return self._request("GET", f"/downloads/{folder}")
+        return self._request("GET", f"/downloads/{path_segment(folder)}")
 
     def cancel_download(self, folder: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/downloads/{folder}", headers=self._fenced())
+        return self._request("DELETE", f"/downloads/{path_segment(folder)}", headers=self._fenced())
 
     def model_folders(self) -> dict[str, Any]:
         return self._request("GET", "/model-folders")
 
     def reclaim(self, folder: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/model-folders/{folder}", headers=self._fenced())
+        return self._request(
+            "DELETE", f"/model-folders/{path_segment(folder)}", headers=self._fenced()
+        )
 
 
 class AsyncAgentClient:

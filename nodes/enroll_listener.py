@@ -3,18 +3,27 @@
 It is a separate small aiohttp server rather than a Django view, because it
 needs its own TLS certificate (issued by the CA, which the agent checks
 against the CA hash it was given) and must not share the console's port.
+Anyone who can reach the port may talk to it, so every connection passes the
+listener limits first (``MIRBAD_HTTP_*``, docs/operator-guide.md "Limits"): a
+TLS handshake and a request head have the head deadline, and a guard in front
+of aiohttp's protocol bounds head size, header count, body idleness and the
+number of open connections.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
+import signal
 import ssl
 from typing import Any
 
 from aiohttp import web
 from asgiref.sync import sync_to_async
 
+from agent import ConnectionGate, GuardedProtocol, HttpLimits, aiohttp_handler_limits
 from nodes import pki, services
 
 log = logging.getLogger("mirbad.enroll")
@@ -73,3 +82,49 @@ def server_context() -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_cert_chain(str(cert), str(key))
     return context
+
+
+async def serve(
+    host: str,
+    port: int,
+    context: ssl.SSLContext | None,
+    limits: HttpLimits,
+    *,
+    started: asyncio.Future[int] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None).
+
+    ``started`` gets the bound port (the one picked when ``port`` is 0).
+    """
+    loop = asyncio.get_running_loop()
+    if stop is None:
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    # Cancelled with its connection: a body cut by the idle deadline ends the handler
+    # quietly, instead of an error and a traceback in the log for each such client.
+    runner = web.AppRunner(
+        build_app(), access_log=None, handler_cancellation=True, **aiohttp_handler_limits(limits)
+    )
+    await runner.setup()
+    gate = ConnectionGate(limits.max_connections)
+    handler = runner.server
+    assert handler is not None
+    server = await loop.create_server(
+        lambda: GuardedProtocol(handler(), limits, gate),
+        host or None,
+        port,
+        ssl=context,
+        ssl_handshake_timeout=limits.head_timeout_seconds if context is not None else None,
+        backlog=128,
+        reuse_address=True,
+    )
+    try:
+        if started is not None:
+            started.set_result(int(server.sockets[0].getsockname()[1]))
+        await stop.wait()
+    finally:
+        server.close()
+        with contextlib.suppress(Exception):
+            await runner.cleanup()

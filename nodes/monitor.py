@@ -31,6 +31,18 @@ BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
 TELEMETRY_INTERVAL = 5.0
 CLOCK_SKEW_LIMIT = 30.0
+# The active monitor writes the time into this key at every step of its loop (every
+# refresh_interval, 5 s); /healthz calls it stale after three missed steps.
+HEARTBEAT_KEY = "mirbad:monitor:heartbeat"
+HEARTBEAT_STALE_AFTER = 15.0
+
+
+def heartbeat_age(now: float | None = None) -> float | None:
+    """Seconds since the active monitor's last step, or None if it never wrote one."""
+    raw = status_cache.read_client().get(HEARTBEAT_KEY)  # a stalled Redis: error, no hang
+    if raw is None:
+        return None
+    return (time.time() if now is None else now) - float(raw)
 
 
 def node_summary(status: status_cache.NodeStatus) -> events.NodeSummary:
@@ -445,6 +457,10 @@ class Monitor:
                     await self.refresh()
                 except Exception:
                     log.exception("Monitor: refreshing the node list failed")
+                try:
+                    await status_cache.async_client().set(HEARTBEAT_KEY, repr(time.time()))
+                except Exception:  # a Redis blip: /healthz reports the gap, the loop goes on
+                    log.warning("Monitor: writing the heartbeat failed", exc_info=True)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), timeout=self.refresh_interval)
         finally:

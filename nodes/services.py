@@ -576,8 +576,9 @@ def node_from_param(value: str | None, *, action: str) -> Node:
 
 def read_gguf(*, node_param: str | None, folder: str, file: str | None) -> dict[str, object]:
     """The header summary of a GGUF on a node (GET /api/model-folders/{folder}/gguf)."""
-    from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable
+    from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable, check_folder
 
+    check_folder(folder)  # before any node is picked: a bad name is the caller's 400
     node = node_from_param(node_param, action="reading its GGUF files")
     features = (node.facts or {}).get("features") or []
     if "gguf.inspect" not in features:

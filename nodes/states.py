@@ -15,6 +15,9 @@ class NodeState(StrEnum):
     OFFLINE = "Offline"
     PENDING_TAKEOVER = "PendingTakeover"
     REVOKED = "Revoked"
+    # Not a state of the node: Redis is unreachable and this process never read its
+    # status (nodes.status_cache). compute_state never returns it.
+    UNKNOWN = "Unknown"
 
 
 SERVING = frozenset({NodeState.ONLINE, NodeState.DEGRADED})

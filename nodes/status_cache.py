@@ -4,21 +4,47 @@ The monitor is the only writer. Web processes (the router, the console, /api)
 read it, so every process sees one truth without asking an agent. A record
 carries ``lastSeen``; readers treat a record older than the Offline threshold
 as Offline even if the monitor died before it could say so.
+
+Reads never raise for a Redis that is down or stalled (docs/decisions.md
+D37): they wait at most
+``MIRBAD_REDIS_STATUS_TIMEOUT`` seconds, then answer each node's last status this
+process read, marked ``statusSource: "last-known"`` with ``statusAsOf``, or an
+``Unknown`` placeholder marked ``"unknown"`` when it never read one.
 """
 
 from __future__ import annotations
 
+import copy as copy_module
 import json
+import logging
+import threading
 import time
 from typing import Any, TypedDict
 
 import redis
 import redis.asyncio as aioredis
 from django.conf import settings
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState
 
+log = logging.getLogger("mirbad.nodes")
+
 KEY_PREFIX = "mirbad:node:"
+
+# Where a status came from (the ``statusSource`` field; absent means live).
+LIVE = "live"
+LAST_KNOWN = "last-known"
+UNKNOWN = "unknown"
+# Fields only readers add; never written back to Redis.
+READER_FIELDS = ("statusSource", "statusAsOf")
+# After a failed read, reads skip Redis this long: each one would otherwise hold
+# its caller (for sync views, the one thread every Django view and the router's
+# database loads share) for the whole timeout while Redis is still away.
+RETRY_AFTER_SECONDS = 2.0
+LAST_KNOWN_MAX = 10_000  # nodes remembered per process (the registry is far smaller)
 
 
 class NodeStatus(TypedDict, total=False):
@@ -34,6 +60,8 @@ class NodeStatus(TypedDict, total=False):
     telemetry: dict[str, Any]
     instances: dict[str, dict[str, Any]]
     updatedAt: float
+    statusSource: str  # reader-side only: LAST_KNOWN or UNKNOWN when Redis was unreachable
+    statusAsOf: float | None  # reader-side only: when this process last read it live
 
 
 def _key(node_id: str) -> str:
@@ -42,6 +70,8 @@ def _key(node_id: str) -> str:
 
 _sync_client: redis.Redis | None = None
 _async_clients: dict[int, aioredis.Redis] = {}
+_read_client: redis.Redis | None = None
+_async_read_clients: dict[int, aioredis.Redis] = {}
 
 
 def sync_client() -> redis.Redis:
@@ -63,6 +93,41 @@ def async_client() -> aioredis.Redis:
     return client
 
 
+def _read_options() -> dict[str, Any]:
+    """The status readers' client: a short timeout, and no retry (a fallback exists)."""
+    timeout = settings.MIRBAD.redis_status_timeout
+    # redis-py retries connection errors 10 times with backoff by default, which
+    # turns a Redis that refuses or drops connections into seconds per read.
+    return {
+        "decode_responses": True,
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 0),
+    }
+
+
+def read_client() -> redis.Redis:
+    """The client every status read uses (and /healthz's ping): gives up within the timeout."""
+    global _read_client
+    if _read_client is None:
+        _read_client = redis.Redis.from_url(settings.MIRBAD.redis_url, **_read_options())
+    return _read_client
+
+
+def async_read_client() -> aioredis.Redis:
+    """:func:`read_client` for the event loop, one per loop."""
+    import asyncio
+
+    loop_id = id(asyncio.get_running_loop())
+    client = _async_read_clients.get(loop_id)
+    if client is None:
+        options = _read_options()
+        options["retry"] = AsyncRetry(NoBackoff(), 0)
+        client = aioredis.Redis.from_url(settings.MIRBAD.redis_url, **options)
+        _async_read_clients[loop_id] = client
+    return client
+
+
 def effective(status: NodeStatus | None, now: float | None = None) -> NodeStatus | None:
     """Apply the Offline threshold at read time (a dead monitor writes nothing)."""
     if status is None:
@@ -75,34 +140,154 @@ def effective(status: NodeStatus | None, now: float | None = None) -> NodeStatus
     return status
 
 
-def read(node_id: str) -> NodeStatus | None:
-    raw = sync_client().get(_key(node_id))
-    return effective(json.loads(raw)) if raw else None
+class _Memory:
+    """This process's last live answer per node, and whether Redis is being skipped."""
+
+    def __init__(self) -> None:
+        self.known: dict[str, tuple[float, NodeStatus | None]] = {}
+        self.skip_until = 0.0  # monotonic
+        self.failing = False
+        self._lock = threading.Lock()  # sync views read from threads, the router from its loop
+
+    def should_try(self) -> bool:
+        return time.monotonic() >= self.skip_until
+
+    def remember(self, answers: dict[str, NodeStatus | None]) -> None:
+        now = time.time()
+        with self._lock:
+            if len(self.known) + len(answers) > LAST_KNOWN_MAX:
+                self.known.clear()
+            for node_id, status in answers.items():
+                self.known[node_id] = (now, status)
+            if self.failing:
+                self.failing = False
+                log.info("Redis answers status reads again")
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.skip_until = time.monotonic() + RETRY_AFTER_SECONDS
+            if not self.failing:
+                self.failing = True
+                log.warning(
+                    "Redis unreachable for node status reads (%s: %s); serving the last known "
+                    "statuses, retrying every %.0f s",
+                    type(exc).__name__,
+                    exc,
+                    RETRY_AFTER_SECONDS,
+                )
+
+    def last_known(self, node_ids: list[str]) -> dict[str, NodeStatus | None]:
+        out: dict[str, NodeStatus | None] = {}
+        for node_id in node_ids:
+            entry = self.known.get(node_id)
+            if entry is None:
+                out[node_id] = {
+                    "nodeId": node_id,
+                    "state": NodeState.UNKNOWN.value,
+                    "reasons": [],
+                    "lastSeen": None,
+                    "statusSource": UNKNOWN,
+                    "statusAsOf": None,
+                }
+                continue
+            read_at, status = entry
+            # No record then meant Offline then; the copy says so explicitly, marked.
+            offline: NodeStatus = {
+                "nodeId": node_id,
+                "state": NodeState.OFFLINE.value,
+                "reasons": [],
+                "lastSeen": None,
+            }
+            # Deep: callers may change what they get; the remembered one must not change.
+            copy: NodeStatus = copy_module.deepcopy(status) if status else offline
+            copy["statusSource"] = LAST_KNOWN
+            copy["statusAsOf"] = read_at
+            out[node_id] = copy
+        return out
+
+    def clear(self) -> None:
+        with self._lock:
+            self.known.clear()
+            self.skip_until = 0.0
+            self.failing = False
+
+
+_memory = _Memory()
+
+# What a status read can meet from a Redis that is down, stalled or restarting.
+_UNREACHABLE = (redis.RedisError, OSError)
+
+
+def _decode(node_ids: list[str], raws: list[str | None]) -> dict[str, NodeStatus | None]:
+    answers = {
+        n: (effective(json.loads(r)) if r else None) for n, r in zip(node_ids, raws, strict=True)
+    }
+    _memory.remember(answers)
+    return answers
 
 
 def read_many(node_ids: list[str]) -> dict[str, NodeStatus | None]:
+    """Each node's status; the last known ones (marked) when Redis does not answer in time."""
     if not node_ids:
         return {}
-    raws = sync_client().mget([_key(n) for n in node_ids])
-    return {
-        n: (effective(json.loads(r)) if r else None) for n, r in zip(node_ids, raws, strict=True)
-    }
+    if _memory.should_try():
+        try:
+            raws = read_client().mget([_key(n) for n in node_ids])
+        except _UNREACHABLE as exc:
+            _memory.failed(exc)
+        else:
+            return _decode(node_ids, raws)
+    return _memory.last_known(node_ids)
+
+
+def read(node_id: str) -> NodeStatus | None:
+    """One node's status (see :func:`read_many`)."""
+    return read_many([node_id])[node_id]
 
 
 async def aread(node_id: str) -> NodeStatus | None:
-    raw = await async_client().get(_key(node_id))
-    return effective(json.loads(raw)) if raw else None
+    """:func:`read` for the event loop (the router)."""
+    if _memory.should_try():
+        try:
+            raw = await async_read_client().get(_key(node_id))
+        except _UNREACHABLE as exc:
+            _memory.failed(exc)
+        else:
+            return _decode([node_id], [raw])[node_id]
+    return _memory.last_known([node_id])[node_id]
+
+
+def source(status: NodeStatus | None) -> str:
+    """LIVE, LAST_KNOWN or UNKNOWN: where a status returned by a read came from."""
+    return (status or {}).get("statusSource", LIVE)
+
+
+def oldest_as_of(statuses: dict[str, NodeStatus | None]) -> tuple[bool, float | None]:
+    """(any status not live, when the oldest last-known one was read) for a page's banner."""
+    stale = [s for s in statuses.values() if source(s) != LIVE]
+    times = [s["statusAsOf"] for s in stale if s and s.get("statusAsOf") is not None]
+    return bool(stale), (min(times) if times else None)
+
+
+def forget() -> None:
+    """Drop this process's last known statuses and retry Redis at once (tests)."""
+    _memory.clear()
+
+
+def _stored(status: NodeStatus) -> str:
+    status["updatedAt"] = time.time()
+    if any(field in status for field in READER_FIELDS):  # a last-known copy written back
+        status = {k: v for k, v in status.items() if k not in READER_FIELDS}  # type: ignore[assignment]
+    return json.dumps(status)
 
 
 def write(status: NodeStatus) -> None:
-    status["updatedAt"] = time.time()
     # Expire long after Offline so a removed node's record does not linger forever.
-    sync_client().set(_key(status["nodeId"]), json.dumps(status), ex=86400)
+    sync_client().set(_key(status["nodeId"]), _stored(status), ex=86400)
 
 
 async def awrite(status: NodeStatus) -> None:
-    status["updatedAt"] = time.time()
-    await async_client().set(_key(status["nodeId"]), json.dumps(status), ex=86400)
+    await async_client().set(_key(status["nodeId"]), _stored(status), ex=86400)
 
 
 def delete(node_id: str) -> None:

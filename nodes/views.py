@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import datetime
+
+from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
+from mirbad_site import supervision
 from mirbad_site.errors import ServiceError
 from models_registry import lifecycle
 from models_registry import services as model_services
@@ -61,6 +65,7 @@ def overview(request: HttpRequest) -> HttpResponse:
         for d in ((status or {}).get("downloads") or {}).values()
     ]
     blocked = any(row["state"] == "PendingTakeover" for row in node_rows)
+    stale, as_of = status_cache.oldest_as_of(statuses)
     return render(
         request,
         "console/overview.html",
@@ -69,8 +74,15 @@ def overview(request: HttpRequest) -> HttpResponse:
             "models": model_rows,
             "downloads": download_rows,
             "takeover_needed": blocked,
+            "redis_unreachable": stale,
+            "statuses_as_of": _utc(as_of),
+            "restarts": supervision.restart_lines(settings.MIRBAD.run_dir),
         },
     )
+
+
+def _utc(moment: float | None) -> datetime.datetime | None:
+    return datetime.datetime.fromtimestamp(moment, datetime.UTC) if moment is not None else None
 
 
 def _model_row(model: ModelDefinition, statuses: dict) -> dict[str, object]:

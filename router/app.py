@@ -31,6 +31,8 @@ from agent import (
     WirePool,
     WireResponse,
 )
+from mirbad_site.jsoninput import JSON_ERRORS, is_text, why_not_json
+from mirbad_site.throttle import key_failures, key_prefix
 from nodes import status_cache
 from nodes.services import node_ssl_context
 from router import errors, metrics, transform
@@ -215,7 +217,7 @@ class RouterApp:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
-        key = await self._authenticate(headers)
+        key = await self._authenticate(headers, scope)
         request.key_prefix = key.prefix
         if path == "/metrics" and method == "GET":
             await self._metrics(send, key)
@@ -289,12 +291,28 @@ class RouterApp:
         )
         await send({"type": "http.response.body", "body": body})
 
-    async def _authenticate(self, headers: dict[bytes, bytes]) -> Any:
+    async def _authenticate(self, headers: dict[bytes, bytes], scope: Scope) -> Any:
+        """The request's key; an address past its failed lookups is refused before lookup.
+
+        A valid key costs one dictionary read here (none while no address is blocked);
+        Redis is asked only after a lookup failed (mirbad_site.throttle).
+        """
+        client = scope.get("client")
+        host = client[0] if client else None
+        wait = key_failures.blocked(host)
+        if wait is not None:
+            raise errors.too_many_failed_keys(wait)
         auth = headers.get(b"authorization", b"").decode("latin-1")
         if not auth.lower().startswith("bearer "):
-            raise errors.invalid_key()
-        key = await self.table.key(auth[7:].strip())
+            raise errors.invalid_key()  # no key presented: nothing was guessed
+        token = auth[7:].strip()
+        key = await self.table.key(token)
         if key is None:
+            verdict = await key_failures.arecord(
+                host, where=scope["path"], prefix=key_prefix(token)
+            )
+            if verdict.refused:
+                raise errors.too_many_failed_keys(verdict.retry_after or 1)
             raise errors.invalid_key()
         return key
 
@@ -494,14 +512,24 @@ def _parse(body: bytes) -> dict[str, Any]:
     """The request as a dict, with ``model`` checked (the one parse of the body)."""
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        raise V1Error(400, "invalid_request", "The body must be a JSON object.") from None
+    except JSON_ERRORS as exc:
+        raise V1Error(
+            400, "invalid_request", f"The body must be a JSON object: {why_not_json(exc)}."
+        ) from None
     if not isinstance(data, dict):
         raise V1Error(400, "invalid_request", "The body must be a JSON object.")
     model = data.get("model")
     if not isinstance(model, str) or not model:
         raise V1Error(
             400, "invalid_request", "'model' is required: name a served model.", param="model"
+        )
+    if not is_text(model):
+        # A lone surrogate (legal as a JSON \ud800 escape) is no name a database can hold.
+        raise V1Error(
+            400,
+            "invalid_request",
+            "'model' must be valid Unicode text (it holds a lone surrogate escape).",
+            param="model",
         )
     return data
 

@@ -115,3 +115,14 @@ def upstream_unavailable(message: str) -> V1Error:
 def rate_limited(message: str, retry_after: int) -> V1Error:
     """429 for a key over one of its limits; Retry-After is at least 1 s."""
     return V1Error(429, "rate_limited", message, retry_after=max(1, retry_after))
+
+
+def too_many_failed_keys(retry_after: int) -> V1Error:
+    """429 for a source address past its failed key lookups (mirbad_site.throttle)."""
+    return V1Error(
+        429,
+        "too_many_failed_keys",
+        "Too many requests with unknown, revoked or expired API keys from this address; "
+        "no key is checked until Retry-After has passed.",
+        retry_after=max(1, retry_after),
+    )

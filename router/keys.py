@@ -64,6 +64,13 @@ def _validate_expiry(expires_at: object) -> datetime.datetime | None:
         return None
     if not isinstance(expires_at, datetime.datetime) or timezone.is_naive(expires_at):
         raise KeyError_("expires_at", "must be a time with a zone")
+    # A key born expired is a typo (a wrong year, local time read as UTC), never intent:
+    # say so rather than hand out a key that fails its first request with 401.
+    if expires_at <= timezone.now():
+        raise KeyError_(
+            "expires_at",
+            f"{expires_at.isoformat()} is in the past; give a future time, or none for no expiry",
+        )
     return expires_at
 
 

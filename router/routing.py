@@ -168,7 +168,9 @@ class RoutingTable:
         pool (measured at c=256). They all wait on the one read instead; and an entry
         that expired just now is served while that read runs, so no request waits
         for Redis on the routine refresh (it did, about once a second, on the path
-        to the first chunk).
+        to the first chunk). A stalled Redis holds a read for at most
+        MIRBAD_REDIS_STATUS_TIMEOUT, and its answer is then the last known status,
+        which is served at once, whatever its age, until a read succeeds again.
         """
         now = time.monotonic()
         hit = self._statuses.get(node_id)
@@ -180,6 +182,10 @@ class RoutingTable:
             self._status_reads[node_id] = pending
             pending.add_done_callback(self._status_read_done(node_id))
         if hit is not None and now - hit[0] < STATUS_STALE:
+            return hit[1]
+        if hit is not None and status_cache.source(hit[1]) != status_cache.LIVE:
+            # Already a last-known copy (Redis is stalled): waiting for a read that is
+            # likely to time out again would only add the timeout to this request.
             return hit[1]
         return await asyncio.shield(pending)
 
@@ -195,15 +201,22 @@ class RoutingTable:
         self, node_id: str, previous: tuple[float, dict | None] | None
     ) -> dict | None:
         generation = self._status_generation
+        failure: Exception | None = None
         try:
+            # Redis away or stalled: within the status timeout this is the last status
+            # this process read (kept, not dropped to Offline: /v1 keeps serving), or
+            # an Unknown placeholder when it never read one.
             status = await status_cache.aread(node_id)
-        except Exception as exc:  # Redis away: the last known status, briefly, else 503
+        except Exception as exc:
+            status, failure = None, exc
+        if failure is not None or status_cache.source(status) == status_cache.UNKNOWN:
             if previous is not None:
-                log.warning("Node status of %s unreadable (%s); using the last one", node_id, exc)
+                why = repr(failure) if failure is not None else "Redis unreachable"
+                log.warning("Node status of %s unreadable (%s); using the last one", node_id, why)
                 return previous[1]
             raise errors.V1Error(
                 503, "server_busy", "Node statuses cannot be read right now.", retry_after=5
-            ) from exc
+            ) from failure
         if generation == self._status_generation:  # else it may predate a change
             self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
         return status  # type: ignore[return-value]

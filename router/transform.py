@@ -66,6 +66,7 @@ from typing import Any
 
 import numpy as np
 
+from mirbad_site.jsoninput import JSON_ERRORS
 from router.errors import V1Error
 
 __all__ = [
@@ -195,7 +196,7 @@ def prepare(
 def _parse(body: bytes) -> dict[str, Any] | None:
     try:
         data = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except JSON_ERRORS:
         return None
     return data if isinstance(data, dict) else None
 
@@ -241,7 +242,7 @@ def transform_embeddings(prepared: Prepared, body: bytes) -> bytes:
         return body
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except JSON_ERRORS:
         return body
     items = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(items, list):
@@ -316,7 +317,7 @@ def _event_json(event: bytes) -> Any:
         return None
     try:
         return json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
+    except JSON_ERRORS:
         return None
 
 
@@ -557,7 +558,7 @@ class UsageSniffer:
             # llama.cpp answers several prompts with a list, one usage each: sum them.
             try:
                 return usage_from(json.loads(b"".join(self._head + self._tail)))
-            except (ValueError, UnicodeDecodeError):
+            except JSON_ERRORS:
                 pass
         # Chunks are dropped only from the front of _tail while it still holds
         # ``limit`` bytes, so head + tail always ends with the last ``limit`` bytes.
@@ -568,7 +569,7 @@ class UsageSniffer:
             # Odd spelling the search does not read (e.g. "usage" : { across lines).
             try:
                 found = usage_from(json.loads(b"".join(self._head + self._tail)))
-            except (ValueError, UnicodeDecodeError):
+            except JSON_ERRORS:
                 pass
         return found
 

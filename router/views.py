@@ -35,6 +35,11 @@ class KeyForm(forms.Form):
     tpm_limit = forms.IntegerField(required=False, min_value=1, label="Tokens per minute")
     concurrency_limit = forms.IntegerField(required=False, min_value=1, label="Concurrent requests")
 
+    def field_for(self, service_field: str) -> str | None:
+        """The form field a service refusal is about (None: the form as a whole)."""
+        name = "models" if service_field == "model_allowlist" else service_field
+        return name if name in self.fields else None
+
     def key_arguments(self) -> dict[str, Any]:
         data = self.cleaned_data
         return {
@@ -50,7 +55,10 @@ class KeyForm(forms.Form):
 
 @operator_required
 def keys_page(request: HttpRequest) -> HttpResponse:
-    """List keys; a POST creates one and shows its plaintext in this response only."""
+    """List keys; a POST creates one and shows its plaintext in this response only.
+
+    A refused form is shown again, its errors at their fields, with status 400.
+    """
     context: dict[str, Any] = {}
     if request.method == "POST":
         form = KeyForm(request.POST)
@@ -58,7 +66,8 @@ def keys_page(request: HttpRequest) -> HttpResponse:
             try:
                 row, plaintext = keys.create_key(**form.key_arguments())
             except keys.KeyError_ as exc:
-                form.add_error(None, str(exc))
+                field = form.field_for(exc.field)
+                form.add_error(field, exc.reason if field else str(exc))
             else:
                 context["created"] = {"row": row, "key": plaintext}
                 form = KeyForm(initial={"scopes": DEFAULT_SCOPES})
@@ -68,7 +77,7 @@ def keys_page(request: HttpRequest) -> HttpResponse:
         return HttpResponseNotAllowed(["GET", "POST"])
     context["form"] = form
     context["keys"] = list(ApiKey.objects.all())
-    return render(request, "console/keys.html", context)
+    return render(request, "console/keys.html", context, status=400 if form.errors else 200)
 
 
 @operator_required

@@ -88,3 +88,18 @@ def master_identity():
     identity = fencing.begin_epoch(settings.MIRBAD.data_path)
     yield identity
     path.unlink(missing_ok=True)
+
+
+@pytest.fixture(autouse=True)
+def _no_failures_counted():
+    """Failed logins and key lookups are counted in Redis across requests (and so across
+    tests, all from 127.0.0.1): each test starts with none (mirbad_site.throttle)."""
+    import contextlib
+
+    from redis.exceptions import RedisError
+
+    from mirbad_site import throttle
+
+    with contextlib.suppress(RedisError, OSError):
+        throttle.reset()
+    yield

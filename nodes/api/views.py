@@ -56,6 +56,11 @@ def node_json(node: Node, status: status_cache.NodeStatus | None) -> dict[str, A
         "certificateNotAfter": node.cert_not_after.isoformat() if node.cert_not_after else None,
         "telemetry": telemetry,
         "instances": list((status.get("instances") or {}).values()),
+        # Redis unreachable: the last status this process read ("last-known", as of
+        # statusAsOf), or none at all ("unknown").
+        "statusSource": status_cache.source(status),
+        "stale": status_cache.source(status) != status_cache.LIVE,
+        "statusAsOf": status.get("statusAsOf"),
     }
 
 
@@ -63,7 +68,14 @@ class NodeList(APIView):
     def get(self, request: Request) -> Response:
         nodes = list(Node.objects.all())
         statuses = status_cache.read_many([n.node_id for n in nodes])
-        return Response({"nodes": [node_json(n, statuses.get(n.node_id)) for n in nodes]})
+        stale, as_of = status_cache.oldest_as_of(statuses)
+        return Response(
+            {
+                "nodes": [node_json(n, statuses.get(n.node_id)) for n in nodes],
+                "stale": stale,
+                "statusAsOf": as_of,
+            }
+        )
 
 
 class NodeDetail(APIView):

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from agent import ModelNotRunning
 from agent._front import FrontListener
-from agent._proxy import Proxy, Upstream
+from agent._proxy import LLAMA_AUTO_SLOTS, Proxy, Upstream, engine_slots
 from agent._server import error_middleware
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,6 +34,7 @@ class Env:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     ready: bool = True
     front: FrontListener | None = None
+    slots: int | None = None
 
     def url(self, path: str) -> str:
         return f"{self.base}/agent/v1/proxy/m-1{path}"
@@ -115,7 +116,9 @@ async def environment(kind: str) -> AsyncIterator[Env]:
     def resolve(instance_id: str) -> Upstream:
         if not holder["env"].ready:
             raise ModelNotRunning(f"model 'demo' (instance {instance_id}) is Starting, not Ready")
-        return Upstream(port=up_port, key="instance-key", served_name="demo")
+        return Upstream(
+            port=up_port, key="instance-key", served_name="demo", slots=holder["env"].slots
+        )
 
     proxy = Proxy(resolve=resolve, max_in_flight=2, idle_timeout_seconds=0.5)
     await proxy.start()
@@ -416,3 +419,81 @@ async def test_closing_waits_for_answers_in_progress(front_env: Env) -> None:
         assert await asyncio.wait_for(resp.content.read(), 5) == b"data: second\n\n"
         await asyncio.wait_for(closing, 5)
     env.front = None
+
+
+@pytest.mark.parametrize("slots", [1, None])
+async def test_idle_connections_kept_per_engine_are_capped_to_its_slots(
+    env: Env, slots: int | None
+) -> None:
+    env.slots = slots
+    async with aiohttp.ClientSession() as session:
+        held = [await session.get(env.url("/sse")) for _ in range(2)]  # two engine requests
+        env.release.set()
+        for resp in held:
+            assert await resp.read() == b"data: first\n\ndata: second\n\n"
+            resp.release()
+    pool = env.proxy._pool
+    assert pool is not None
+    # One slot: the engine can start one request at once, so one connection is kept.
+    await asyncio.sleep(0.05)
+    assert pool.connections == (1 if slots == 1 else 2)
+
+
+@pytest.mark.parametrize(
+    ("args", "slots"),
+    [
+        (("-m", "{model}", "-c", "1024", "-np", "1", "-ngl", "0"), 1),
+        (("-np", "2", "--parallel", "8"), 8),  # llama-server takes the last one
+        (("--parallel=3",), 3),
+        (("-m", "{model}"), LLAMA_AUTO_SLOTS),  # none given: llama-server's auto
+        (("-np", "-1"), LLAMA_AUTO_SLOTS),
+        (("-np", "many"), LLAMA_AUTO_SLOTS),
+        (("-np",), LLAMA_AUTO_SLOTS),
+    ],
+)
+def test_engine_slots_read_from_the_argv(args: tuple[str, ...], slots: int) -> None:
+    assert engine_slots(args) == slots
+
+
+async def test_engine_closing_a_kept_connection_as_a_request_arrives_is_not_a_502() -> None:
+    """The agent-to-engine hop of the lost-request report: the engine closes a kept
+    connection just as the next request reaches it, unanswered."""
+    connections = 0
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        mine = connections
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                await reader.readexactly(2)  # the body, b"{}"
+                if mine == 1 and served:
+                    return  # the first connection, reused: closed unanswered
+                served.append(mine)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+
+    served: list[int] = []
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    upstream = Upstream(port=port, key="k", served_name="demo", slots=1)
+    proxy = Proxy(resolve=lambda _: upstream, max_in_flight=4, idle_timeout_seconds=2.0)
+    await proxy.start()
+    try:
+        for _ in range(2):
+            response = await proxy.open(upstream, "POST", "/v1/x", [], b"{}")
+            try:
+                assert response.status == 200
+                assert await proxy.read_whole(response, upstream) == b"ok"
+            finally:
+                response.close()
+        assert served == [1, 2]  # the second request was answered on a fresh connection
+    finally:
+        await proxy.close()
+        server.close()
+        await server.wait_closed()

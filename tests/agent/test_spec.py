@@ -1,4 +1,4 @@
-"""Launch spec guardrails: refused flags, placeholders, env, model path confinement."""
+"""Launch spec guardrails: the flag allow-list, placeholders, env, model path confinement."""
 
 from __future__ import annotations
 
@@ -17,14 +17,27 @@ from agent._spec import (
     resolve_model_path,
     substitute,
 )
+from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS
 
 GOOD = ("-m", "{model}", "--alias", "demo", "--host", "127.0.0.1", "--port", "{port}")
 
 
 def test_good_args_return_alias() -> None:
     assert check_args(GOOD) == "demo"
-    assert check_args(("-a", "x/y:z", "--port", "{port}")) == "x/y:z"
-    assert check_args(("--alias=q", "--host=127.0.0.1", "--port", "{port}")) == "q"
+    assert check_args(("-m", "{model}", "-a", "x/y:z", "--port", "{port}")) == "x/y:z"
+
+
+def test_builder_argv_with_every_kind_of_flag_passes() -> None:
+    argv = (
+        *GOOD,
+        "-c", "8192", "-np", "2", "-ngl", "999", "-fa", "auto", "-ctk", "q8_0",
+        "-ctv", "f16", "-b", "512", "-ub", "512", "--embedding", "--pooling", "last",
+        "--chat-template", "chatml", "--device", "CUDA0,CUDA1", "--tensor-split", "3,1",
+        "--reasoning", "off", "-t", "4", "--metrics", "--no-ui", "--cache-ram", "0",
+        "--fit", "off", "--temp", "0.2", "--top-k", "40", "--seed", "-1", "--jinja",
+        "--reasoning-format", "deepseek", "--load-mode", "mmap+mlock",
+    )  # fmt: skip
+    assert check_args(argv, "0.6.0-dev") == "demo"
 
 
 @pytest.mark.parametrize(
@@ -38,21 +51,41 @@ def test_good_args_return_alias() -> None:
         (("--api-key=secret",), "--api-key"),
         (("--api-key-file", "/etc/k"), "--api-key-file"),
         (("--log-file", "/tmp/x"), "--log-file"),
-        (("--chat-template-file", "/x/{model}.j2"), "placeholder"),
+        (("--chat-template-file", "/x/{model}.j2"), "--chat-template-file"),
         (("{port}",), "only follow --port"),
+        (("{model}",), "only follow -m"),
+        (("--alias=q",), "two arguments"),
+        (("--chat-template", "../../etc"), "built-in templates"),
+        (("--chat-template", "{{ raise }}"), "--chat-template"),
+        (("--temp", "0.2", "--temp", "0.3"), "given twice"),
+        (("--temp",), "needs a value"),
+        (("-m", "/etc/passwd"), "-m"),
     ],
 )
 def test_refused_args(extra: tuple[str, ...], needle: str) -> None:
-    with pytest.raises(SpecRejected, match=r"refused|placeholder|only follow") as info:
+    with pytest.raises(SpecRejected, match=r"is refused") as info:
         check_args(GOOD + extra)
     assert needle in info.value.message
 
 
-def test_port_and_alias_required() -> None:
+@pytest.mark.parametrize(("extra", "flag"), ISSUE_ATTACKS + BYPASSES)
+def test_issue_attacks_refused_naming_the_flag(extra: list[str], flag: str) -> None:
+    """Issue 11: each flag the old refusal list let through, and ways around such a list."""
+    with pytest.raises(SpecRejected) as info:
+        check_args(GOOD + tuple(extra))
+    assert info.value.status == 422 and info.value.code == "spec_rejected"
+    assert f"argument {len(GOOD)} is refused" in info.value.message
+    assert flag in info.value.message
+    assert info.value.details == {"flag": flag}
+
+
+def test_port_model_and_alias_required() -> None:
     with pytest.raises(SpecRejected, match=r"--port \{port\}"):
-        check_args(("--alias", "d"))
+        check_args(("-m", "{model}", "--alias", "d"))
+    with pytest.raises(SpecRejected, match=r"-m \{model\}"):
+        check_args(("--alias", "d", "--port", "{port}"))
     with pytest.raises(SpecRejected, match="--alias"):
-        check_args(("--port", "{port}"))
+        check_args(("-m", "{model}", "--port", "{port}"))
 
 
 @pytest.mark.parametrize(

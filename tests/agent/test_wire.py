@@ -10,6 +10,8 @@ import json
 import os
 import socket
 import ssl
+import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -341,6 +343,249 @@ async def test_idle_connection_older_than_keepalive_is_not_reused(
         assert server.accepted == 2
         assert pool.connections == 1
         await eventually(lambda: server.finished == 1)  # the stale one was closed
+
+
+# -- reused connections the server closes -------------------------------------------------
+
+
+def answer_first_then(
+    second: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    later: Handler = keepalive_ok,
+) -> tuple[Handler, list[bytes]]:
+    """A handler whose first connection answers one request keep-alive, then meets the
+    next with ``second``; every later connection runs ``later``. Returns the handler and
+    the request heads (with small bodies) the later connections received."""
+    seen: list[bytes] = []
+    connections = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await read_head(reader)
+            writer.write(OK_KEEPALIVE)
+            await writer.drain()
+            await second(reader, writer)
+            return
+
+        async def recording(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            seen.append(await read_head(reader) + await reader.read(4))
+            writer.write(OK_KEEPALIVE)
+            await writer.drain()
+            await later(reader, writer)
+
+        await recording(reader, writer)
+
+    return handler, seen
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with a TCP reset (SO_LINGER 0), as a server that aborts does."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+@pytest.mark.parametrize("how", ["eof", "reset"])
+async def test_reused_connection_closed_as_the_request_arrives_is_retried_fresh(
+    pool: WirePool, how: str
+) -> None:
+    async def hang_up_on_next(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)  # the request is written; the server closes unanswered
+        if how == "reset":
+            reset(writer)
+
+    handler, seen = answer_first_then(hang_up_on_next)
+    async with raw_server(handler) as server:
+        first = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert await first.read() == b"ok"
+        assert pool.connections == 1  # kept: the next request reuses it
+        response = await pool.request(
+            "POST", "127.0.0.1", server.port, "/again", body=b"body", read_timeout=2.0
+        )
+        assert await response.read() == b"ok"
+        assert server.accepted == 2
+        assert pool.retries == 1
+        # The retry carried the same request, body included, on the fresh connection.
+        assert seen[0].startswith(b"POST /again HTTP/1.1\r\n")
+        assert b"Content-Length: 4\r\n" in seen[0] and seen[0].endswith(b"\r\n\r\nbody")
+
+
+async def test_large_in_memory_body_is_retried_too(pool: WirePool) -> None:
+    payload = os.urandom(300_000)  # above the one-write limit: head and body go apart
+    received: list[bytes] = []
+
+    async def hang_up_on_next(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+
+    async def take_body(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.readexactly(len(payload) - 4))  # 4 read by the recorder
+
+    handler, seen = answer_first_then(hang_up_on_next, later=take_body)
+    async with raw_server(handler) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        response = await pool.request(
+            "PUT", "127.0.0.1", server.port, "/big", body=payload, read_timeout=2.0
+        )
+        assert await response.read() == b"ok"
+        await server.settle()
+        assert seen[0].endswith(payload[:4]) and received == [payload[4:]]
+        assert server.accepted == 2
+
+
+async def test_a_fresh_connection_closed_before_answering_is_not_retried(
+    pool: WirePool,
+) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+
+    async with raw_server(hang_up) as server:
+        with pytest.raises(Disconnected, match="before answering"):
+            await pool.request("POST", "127.0.0.1", server.port, "/", body=b"x", read_timeout=2.0)
+        assert server.accepted == 1
+        assert pool.retries == 0
+
+
+async def test_a_retry_is_made_once_and_its_failure_surfaces(pool: WirePool) -> None:
+    connections = 0
+
+    async def first_answers_then_all_hang_up(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        nonlocal connections
+        connections += 1
+        if connections == 1:
+            await read_head(reader)
+            writer.write(OK_KEEPALIVE)
+            await writer.drain()
+        await read_head(reader)  # then every request meets a close
+
+    async with raw_server(first_answers_then_all_hang_up) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        with pytest.raises(Disconnected, match="before answering"):
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert server.accepted == 2  # the reused one and one fresh: no third try
+        assert pool.retries == 1
+        assert pool.connections == 0
+
+
+async def test_a_failure_after_answer_bytes_is_not_retried(pool: WirePool) -> None:
+    async def half_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-")  # the server began answering
+        await writer.drain()
+
+    handler, _ = answer_first_then(half_answer)
+    async with raw_server(handler) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        with pytest.raises(Disconnected, match="before answering"):
+            await pool.request("POST", "127.0.0.1", server.port, "/", body=b"x", read_timeout=2.0)
+        assert server.accepted == 1
+        assert pool.retries == 0
+
+
+async def test_a_streamed_body_is_not_sent_twice(pool: WirePool) -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"once"  # consumed as it is sent: there is nothing left to send again
+
+    handler, _ = answer_first_then(hang_up)
+    async with raw_server(handler) as server:
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/")).read() == b"ok"
+        with pytest.raises(Disconnected):
+            await pool.request("POST", "127.0.0.1", server.port, "/", body=body(), read_timeout=2.0)
+        assert server.accepted == 1
+        assert pool.retries == 0
+
+
+async def test_a_kept_connection_whose_end_arrived_unread_is_not_picked(pool: WirePool) -> None:
+    """The server's FIN is in the socket but the loop has not run to read it: the pool
+    must see it when it picks the connection. A streamed body (never retried) proves the
+    request went on a fresh connection from the start."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    port = listener.getsockname()[1]
+    close_first = threading.Event()
+    accepted: list[socket.socket] = []
+    second_request = bytearray()
+
+    def serve() -> None:
+        first, _ = listener.accept()
+        accepted.append(first)
+        _recv_until(first, b"\r\n\r\n")
+        first.sendall(OK_KEEPALIVE)
+        close_first.wait(5)
+        first.close()
+        second, _ = listener.accept()
+        accepted.append(second)
+        second_request.extend(_recv_until(second, b"0\r\n\r\n"))
+        second.sendall(OK_KEEPALIVE)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"streamed"
+
+    try:
+        assert await (await pool.request("GET", "127.0.0.1", port, "/")).read() == b"ok"
+        assert pool.connections == 1
+        close_first.set()
+        time.sleep(0.2)  # blocking on purpose: the FIN arrives, the loop does not run
+        response = await pool.request("POST", "127.0.0.1", port, "/", body=body(), read_timeout=2.0)
+        assert await response.read() == b"ok"
+        assert len(accepted) == 2
+        assert b"streamed" in second_request
+        assert pool.retries == 0
+    finally:
+        close_first.set()
+        thread.join(5)
+        for sock in accepted:
+            sock.close()
+        listener.close()
+
+
+def _recv_until(sock: socket.socket, marker: bytes) -> bytes:
+    data = b""
+    while marker not in data:
+        piece = sock.recv(65536)
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+async def test_max_idle_caps_the_connections_kept_for_one_server(pool: WirePool) -> None:
+    release = asyncio.Event()
+
+    async def slow_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_head(reader)
+            except asyncio.IncompleteReadError:
+                return
+            await release.wait()
+            writer.write(OK_KEEPALIVE)
+            await writer.drain()
+
+    async with raw_server(slow_ok) as server:
+        pending = [
+            asyncio.ensure_future(
+                pool.request("GET", "127.0.0.1", server.port, "/", max_idle=1, read_timeout=2.0)
+            )
+            for _ in range(3)
+        ]
+        await eventually(lambda: server.accepted == 3)  # three at once: three connections
+        release.set()
+        for response in await asyncio.gather(*pending):
+            assert await response.read() == b"ok"
+        assert pool.connections == 1  # one kept, the other two closed
+        await eventually(lambda: server.finished == 2)
+        # The one kept is reused; the cap holds for later answers too.
+        assert await (await pool.request("GET", "127.0.0.1", server.port, "/", max_idle=1)).read()
+        assert server.accepted == 3
 
 
 # -- failures ---------------------------------------------------------------------------

@@ -104,8 +104,12 @@ def test_bad_setting_stops_with_the_variable_name(make_stack) -> None:
     assert "MIRBAD_PORT" in result.stderr and "whole number" in result.stderr
 
 
-def test_model_via_api_then_agent_killed(make_stack) -> None:
-    """The issue's end-to-end path, against the configured PostgreSQL and Redis in CI."""
+def test_model_via_api_then_agent_stops_answering(make_stack) -> None:
+    """The issue's end-to-end path, against the configured PostgreSQL and Redis in CI.
+
+    The agent is stopped (SIGSTOP), not killed: ``up`` would restart a killed one
+    at once (tests/e2e/test_up_supervision.py), and this checks the 15 s rule.
+    """
     llama_server_or_fail()
     stack = make_stack(embedded=False)
     stack.prepare_local_model()
@@ -130,17 +134,24 @@ def test_model_via_api_then_agent_killed(make_stack) -> None:
     assert sum(1 for _ in stream) > 1
 
     agent = psutil.Process(stack.pid("agent"))
-    agent.kill()
-    killed_at = time.monotonic()
-    wait_for(lambda: api.get("/api/nodes/local").json()["state"] == "Offline", 30, "node Offline")
-    offline_after = time.monotonic() - killed_at
-    print(f"node Offline {offline_after:.1f} s after kill -9 of the agent")
-    assert offline_after >= 10, "Offline must come from the 15 s rule, not a guess"
-    response = httpx.post(
-        f"{stack.url}/v1/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]},
-    )
-    assert response.status_code == 503
-    assert response.json()["error"]["code"] == "node_offline"
-    assert response.headers["retry-after"] == "30"
+    agent.suspend()
+    try:
+        stopped_at = time.monotonic()
+        wait_for(
+            lambda: api.get("/api/nodes/local").json()["state"] == "Offline", 30, "node Offline"
+        )
+        offline_after = time.monotonic() - stopped_at
+        print(f"node Offline {offline_after:.1f} s after SIGSTOP of the agent")
+        assert offline_after >= 10, "Offline must come from the 15 s rule, not a guess"
+        response = httpx.post(
+            f"{stack.url}/v1/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]},
+        )
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "node_offline"
+        assert response.headers["retry-after"] == "30"
+        assert stack.pid("agent") == agent.pid, "a stopped agent is not restarted"
+    finally:
+        agent.resume()
+    wait_for(lambda: api.get("/api/nodes/local").json()["state"] == "Online", 60, "node Online")

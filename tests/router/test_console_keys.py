@@ -52,7 +52,7 @@ def test_create_shows_the_key_once(operator: AbstractUser) -> None:
 def test_invalid_form_creates_nothing(operator: AbstractUser) -> None:
     client = _logged_in(operator)
     response = client.post("/keys/", {"name": "x", "scopes": ["chat"], "rpm_limit": "0"})
-    assert response.status_code == 200 and b"Requests per minute:" in response.content
+    assert response.status_code == 400 and b"Requests per minute:" in response.content
     response = client.post("/keys/", {"name": "x"})
     assert b"This field is required" in response.content
     assert not ApiKey.objects.exists()
@@ -68,3 +68,15 @@ def test_revoke_by_post(operator: AbstractUser) -> None:
     assert row.revoked_at is not None
     assert b"revoked" in client.get("/keys/").content
     assert client.post("/keys/99999/revoke/").status_code == 404
+
+
+def test_an_expiry_in_the_past_is_refused_at_its_field(operator: AbstractUser) -> None:
+    client = _logged_in(operator)
+    response = client.post(
+        "/keys/", {"name": "x", "scopes": ["chat"], "expires_at": "2020-01-01T12:00"}
+    )
+    assert response.status_code == 400
+    errors = response.context["form"].errors
+    assert list(errors) == ["expires_at"] and "in the past" in errors["expires_at"][0]
+    assert b"2020-01-01T12:00:00+00:00 is in the past" in response.content
+    assert not ApiKey.objects.exists()

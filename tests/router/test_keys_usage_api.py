@@ -169,3 +169,30 @@ def test_csv_rows_come_in_batches_in_hour_order() -> None:
     assert [len(b) for b in batches] == [2, 2, 1]
     hours = [row[0] for batch in batches for row in batch]
     assert hours == sorted(hours) and len(hours) == 5
+
+
+def _past() -> str:
+    return (datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=1)).isoformat()
+
+
+def test_create_with_an_expiry_in_the_past_is_refused(operator_client: APIClient) -> None:
+    response = operator_client.post("/api/keys", {"name": "x", "expiresAt": _past()}, format="json")
+    assert response.status_code == 400, response.json()
+    error = response.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"].startswith("expiresAt: ") and "in the past" in error["message"]
+    assert not ApiKey.objects.exists()
+
+
+def test_patch_to_an_expiry_in_the_past_is_refused(operator_client: APIClient) -> None:
+    row, _ = keys.create_key(name="app", scopes=["chat"])
+    response = operator_client.patch(f"/api/keys/{row.pk}", {"expiresAt": _past()}, format="json")
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("expiresAt: ")
+    row.refresh_from_db()
+    assert row.expires_at is None
+    # Removing the expiry, or one in the future, still works.
+    future = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=1)).isoformat()
+    for value in (future, None):
+        changed = operator_client.patch(f"/api/keys/{row.pk}", {"expiresAt": value}, format="json")
+        assert changed.status_code == 200, changed.json()

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from aiohttp import web
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from nodes.enroll_listener import build_app, server_context
+from nodes.enroll_listener import serve, server_context
 
 
 class Command(BaseCommand):
@@ -16,12 +16,4 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         cfg = settings.MIRBAD
-        web.run_app(
-            build_app(),
-            host=cfg.bind,
-            port=cfg.enroll_port,
-            ssl_context=server_context(),
-            print=None,
-            access_log=None,
-            handle_signals=True,
-        )
+        asyncio.run(serve(cfg.bind, cfg.enroll_port, server_context(), cfg.http_limits))

@@ -1,0 +1,128 @@
+"""How ``./mirbad up`` restarts what dies, and the status file the console reads.
+
+Django-free: the launcher imports it before Django is set up. A child that
+exits while ``up`` runs is started again after a back-off (1 s doubling to
+30 s; a child that stayed up 60 s starts again at 1 s). Every restart is
+recorded in ``<data>/run/supervision.json``, written atomically, which the
+console's overview turns into one line per restarted process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mirbad_site.atomic import write_atomic
+
+BACKOFF_START = 1.0
+BACKOFF_MAX = 30.0
+# A child that stayed up this long is taken as healthy again: its next crash waits 1 s.
+STABLE_AFTER = 60.0
+STATUS_FILE = "supervision.json"
+
+
+def describe_exit(code: int | None) -> str:
+    """``code 3`` or ``signal SIGKILL (-9)``, as Popen.returncode reports it."""
+    if code is None:
+        return "an unknown status"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"signal {signal.Signals(-code).name} ({code})"
+        return f"signal {-code} ({code})"
+    return f"code {code}"
+
+
+@dataclass
+class Backoff:
+    """The delay before the next restart of one child."""
+
+    delay: float = BACKOFF_START
+
+    def next(self, uptime: float) -> float:
+        """The delay to wait now, given how long the child ran before it exited."""
+        if uptime >= STABLE_AFTER:
+            self.delay = BACKOFF_START
+        delay = self.delay
+        self.delay = min(self.delay * 2, BACKOFF_MAX)
+        return delay
+
+
+@dataclass
+class ChildRecord:
+    """What the status file says about one child."""
+
+    pid: int | None = None
+    restarts: int = 0
+    last_exit: int | None = None
+    last_restart_at: float | None = None  # epoch seconds
+    restarting_at: float | None = None  # epoch seconds, while a restart is pending
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "lastExit": self.last_exit,
+            "lastRestartAt": self.last_restart_at,
+            "restartingAt": self.restarting_at,
+        }
+
+
+def write_status(run_dir: Path, launcher_pid: int, children: dict[str, ChildRecord]) -> None:
+    """Replace the status file (atomically: the console never reads half of one)."""
+    body = {
+        "launcherPid": launcher_pid,
+        "updatedAt": time.time(),
+        "children": {name: record.to_json() for name, record in children.items()},
+    }
+    write_atomic(run_dir / STATUS_FILE, json.dumps(body, indent=1).encode(), mode=0o644)
+
+
+def clear_status(run_dir: Path) -> None:
+    """Remove the status file: a stopped ``up`` restarts nothing."""
+    (run_dir / STATUS_FILE).unlink(missing_ok=True)
+
+
+def read_status(run_dir: Path) -> dict[str, Any] | None:
+    """The status file's content, or None when there is none or it is unreadable."""
+    try:
+        data = json.loads((run_dir / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def restart_lines(run_dir: Path) -> list[str]:
+    """One line per child restarted since ``up`` started, e.g. for the console.
+
+    ``monitor restarted 2 times, last at 2026-12-01 20:31:05 UTC (exit -9)``.
+    """
+    data = read_status(run_dir)
+    children = (data or {}).get("children")
+    if not isinstance(children, dict):
+        return []
+    lines = []
+    for name, record in sorted(children.items()):
+        if not isinstance(record, dict):
+            continue
+        restarts = record.get("restarts")
+        if not isinstance(restarts, int) or restarts <= 0:
+            continue
+        times = "time" if restarts == 1 else "times"
+        line = f"{name} restarted {restarts} {times}"
+        last = record.get("lastRestartAt")
+        if isinstance(last, int | float):
+            moment = dt.datetime.fromtimestamp(last, dt.UTC)
+            line += f", last at {moment:%Y-%m-%d %H:%M:%S} UTC"
+        code = record.get("lastExit")
+        if isinstance(code, int):
+            line += f" (exit {code})"
+        if isinstance(record.get("restartingAt"), int | float):
+            line += "; restarting now"
+        lines.append(line)
+    return lines
