@@ -42,6 +42,7 @@ FLASH_ATTENTION = ("on", "off", "auto")
 KV_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 POOLING = ("none", "mean", "cls", "last", "rank")
 REASONING = ("on", "off", "auto")
+JINJA_SWITCHES = ("--jinja", "--no-jinja")
 
 
 class SettingsError(ValueError):
@@ -128,6 +129,8 @@ class LlamaCppSettings:
             errors["extra_args"] = "must be a list of strings"
         else:
             problem = _check_extra_args(extra)
+            if not problem and template is not None:
+                problem = _check_jinja_with_template(extra)
             if problem:
                 errors["extra_args"] = problem
         if errors:
@@ -174,6 +177,17 @@ def _check_extra_args(args: list[str]) -> str | None:
     return None
 
 
+def _check_jinja_with_template(args: list[str]) -> str | None:
+    """A built-in template comes with ``--no-jinja``, so extra args may not switch Jinja."""
+    for arg in args:
+        if arg in JINJA_SWITCHES:
+            return (
+                f"{arg!r} may not be passed with chat_template: a built-in template is "
+                "rendered without Jinja (the builder sets --no-jinja); remove one of the two"
+            )
+    return None
+
+
 def _check_template(template: object) -> str | None:
     """None for ``builtin:<name>`` with a name of the engine's own list, else why not."""
     if not isinstance(template, str) or not template.startswith("builtin:"):
@@ -213,7 +227,10 @@ def build_argv(
         if settings.pooling:
             argv += ["--pooling", settings.pooling]
     if settings.chat_template:
-        argv += ["--chat-template", settings.chat_template.removeprefix("builtin:")]
+        # llama-server reads --chat-template as Jinja source while Jinja is on (its
+        # default since 0.6): "llama3" would render as the literal word. Built-in
+        # names are understood only with Jinja off, set before the flag.
+        argv += ["--no-jinja", "--chat-template", settings.chat_template.removeprefix("builtin:")]
     if gpus == 1:
         argv += ["--split-mode", "none", "--device", "CUDA0"]
     elif gpus > 1:

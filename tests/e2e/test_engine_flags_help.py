@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agent import engine_flags
@@ -74,3 +76,50 @@ def test_allow_list_matches_the_installed_llama_server() -> None:
     wrong = [n for f in table.flags for n in f.names if help_flags[n] != f.shape.takes_value]
     assert wrong == [], f"value or no value differs from llama-server {version}: {wrong}"
     assert sorted(templates) == sorted(table.chat_templates)
+
+
+def test_builtin_template_renders_as_that_template(tmp_path: Path) -> None:
+    """The builder's argv for ``builtin:llama3`` makes the real engine use llama3's format.
+
+    With Jinja on (the engine's default) ``--chat-template llama3`` is read as template
+    source and every prompt renders as the word "llama3"; the builder turns Jinja off.
+    """
+    from agent import write_tiny_gguf
+    from models_registry.llamacpp import LlamaCppSettings, build_argv
+    from tests.e2e.conftest import free_port
+
+    binary = llama_server_or_fail()
+    model = tmp_path / "tiny.gguf"
+    write_tiny_gguf(model)
+    port = free_port()
+    argv = build_argv(
+        settings=LlamaCppSettings.from_dict({"chat_template": "builtin:llama3"}),
+        served_name="tiny",
+    )
+    argv = [str(model) if a == "{model}" else str(port) if a == "{port}" else a for a in argv]
+    log = (tmp_path / "engine.log").open("wb")
+    engine = subprocess.Popen([str(binary), *argv], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert engine.poll() is None, (tmp_path / "engine.log").read_text()[-2000:]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "llama-server did not become healthy in 60 s"
+            time.sleep(0.3)
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/apply-template",
+            json={"messages": [{"role": "user", "content": "Hi"}]},
+            timeout=10,
+        )
+        assert answer.status_code == 200, answer.text
+        prompt = answer.json()["prompt"]
+        assert prompt != "llama3"
+        assert "<|start_header_id|>user<|end_header_id|>" in prompt and "Hi" in prompt
+    finally:
+        engine.terminate()
+        engine.wait(timeout=10)
+        log.close()

@@ -72,7 +72,7 @@ def test_patch_cannot_add_a_refused_flag(admin_api: APIClient) -> None:
 
 
 def test_allowed_extra_args_and_template_are_saved(admin_api: APIClient) -> None:
-    extra = ["--temp", "0.7", "--top-k", "40", "--jinja", "--reasoning-format", "deepseek"]
+    extra = ["--temp", "0.7", "--top-k", "40", "--reasoning-format", "deepseek"]
     response = create(admin_api, {"extra_args": extra, "chat_template": "builtin:chatml"})
     assert response.status_code == 201, response.json()
     assert response.json()["settings"]["extra_args"] == extra

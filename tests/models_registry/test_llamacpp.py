@@ -100,6 +100,23 @@ def test_builtin_chat_template_accepted() -> None:
     settings = LlamaCppSettings.from_dict({"chat_template": "builtin:chatml"})
     argv = build_argv(settings=settings, served_name="m")
     assert argv[argv.index("--chat-template") + 1] == "chatml"
+    # With Jinja on (llama-server's default) the name would be read as template text.
+    assert argv[argv.index("--chat-template") - 1] == "--no-jinja"
+
+
+def test_no_template_leaves_jinja_to_the_engine() -> None:
+    argv = build_argv(settings=LlamaCppSettings.from_dict({}), served_name="m")
+    assert "--no-jinja" not in argv and "--jinja" not in argv
+
+
+@pytest.mark.parametrize("switch", ["--jinja", "--no-jinja"])
+def test_jinja_switch_is_refused_beside_a_builtin_template(switch: str) -> None:
+    with pytest.raises(SettingsError) as exc:
+        LlamaCppSettings.from_dict({"chat_template": "builtin:llama3", "extra_args": [switch]})
+    assert switch in exc.value.errors["extra_args"]
+    assert "--no-jinja" in exc.value.errors["extra_args"]
+    # Without a template the operator may still choose.
+    assert LlamaCppSettings.from_dict({"extra_args": [switch]}).extra_args == [switch]
 
 
 def _sample(flag: Flag) -> list[str]:
