@@ -18,6 +18,7 @@ from mirbad_site.errors import ServiceError
 from models_registry import llamacpp
 from models_registry.models import ModelDefinition, Placement
 from nodes import status_cache
+from nodes.agent_client import check_folder
 from nodes.models import Node
 from nodes.states import SERVING
 
@@ -35,7 +36,7 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
     """Check a definition's fields; returns the cleaned values or raises 400 naming the field."""
     cleaned: dict[str, Any] = {}
     served = data.get("served_name", instance.served_name if instance else None)
-    if not isinstance(served, str) or not SERVED_NAME.match(served):
+    if not isinstance(served, str) or not SERVED_NAME.fullmatch(served):
         raise _invalid(
             "served_name",
             "use 1-200 letters, digits and . _ : / @ + - (no spaces or commas), "
@@ -57,15 +58,13 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
     cleaned["runtime"] = runtime
     cleaned["delivery"] = "process"
     folder = data.get("source_folder", instance.source_folder if instance else None)
-    if (
-        not isinstance(folder, str)
-        or not re.match(r"^[A-Za-z0-9._-]{1,200}$", folder)
-        or (folder in (".", ".."))
-    ):
-        raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'")
+    try:
+        check_folder(folder, "source_folder")  # the agent's own rule, not a copy
+    except ServiceError:
+        raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'") from None
     cleaned["source_folder"] = folder
     file = data.get("source_file", instance.source_file if instance else None)
-    if not isinstance(file, str) or not FILE_NAME.match(file) or not file.endswith(".gguf"):
+    if not isinstance(file, str) or not FILE_NAME.fullmatch(file) or not file.endswith(".gguf"):
         raise _invalid("source_file", "name a .gguf file inside the folder (no path)")
     cleaned["source_file"] = file
     raw_settings = data.get("settings", instance.settings if instance else {})
@@ -136,7 +135,7 @@ def _clean_placements(data: dict[str, Any]) -> list[dict[str, Any]] | None:
             not isinstance(uuids, list)
             or len(uuids) > 16
             or len(set(uuids)) != len(uuids)
-            or not all(isinstance(u, str) and GPU_UUID.match(u) for u in uuids)
+            or not all(isinstance(u, str) and GPU_UUID.fullmatch(u) for u in uuids)
         ):
             raise _invalid(f"{field}.gpuUuids", "must be a list of distinct GPU UUIDs (GPU-...)")
         known = {g.get("uuid") for g in (node.facts or {}).get("gpus") or [] if isinstance(g, dict)}

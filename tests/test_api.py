@@ -220,3 +220,25 @@ def test_keys_shown_once_and_stored_hashed(operator_client: APIClient) -> None:
     assert bad.status_code == 400 and "unknown scope" in bad.json()["error"]["message"]
     assert operator_client.delete(f"/api/keys/{created['id']}").status_code == 204
     assert ApiKey.objects.get(pk=created["id"]).revoked_at is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("sourceFolder", "tiny\n"),
+        ("servedName", "tiny\n"),
+        ("sourceFile", "tiny.gguf\n"),
+        ("sourceFolder", "ti\x00ny"),
+    ],
+)
+def test_a_trailing_newline_or_nul_in_a_name_is_refused(operator_client, field, value) -> None:
+    """``re.match`` with ``$`` takes "tiny\\n"; the agent refuses it later, so must the API."""
+    body = {"servedName": "tiny", "sourceFolder": "tiny", "sourceFile": "tiny.gguf"}
+    body[field] = value
+    answer = operator_client.post("/api/models", body, format="json")
+    assert answer.status_code == 400, answer.json()
+    assert answer.json()["error"]["details"]["field"] in (
+        "source_folder",
+        "served_name",
+        "source_file",
+    )
