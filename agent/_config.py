@@ -81,6 +81,9 @@ class AgentConfig:
     docker_endpoint: str = "unix:///var/run/docker.sock"
     gpus_expected: bool = False
     log_level: str = "INFO"
+    # Extra environment variables this node's operator lets a launch set for its
+    # engines, beyond the engine's own allow-list (agent._engine_flags).
+    engine_env_allow: tuple[str, ...] = ()
     # The listener limits (agent._http_limits; docs/agent.md).
     http_max_head_bytes: int = HttpLimits.max_head_bytes
     http_max_headers: int = HttpLimits.max_headers
@@ -291,6 +294,30 @@ def _addresses(value: Any, src: _Source) -> tuple[str, ...]:
     return tuple(value)
 
 
+_ENV_VAR_RE = re.compile(r"[A-Z_][A-Z0-9_]{0,127}")
+# The agent's own variables and the loader's; llama-server reads LLAMA_ARG_* as flags.
+_NEVER_ENGINE_ENV = ("PATH", "HOME", "LANG", "LLAMA_API_KEY", "CUDA_VISIBLE_DEVICES")
+_NEVER_ENGINE_ENV_PREFIXES = ("LD_", "LLAMA_ARG_")
+
+
+def _engine_env_allow(value: Any, src: _Source) -> tuple[str, ...]:
+    value = _json_from_env(value, src)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise src.fail(f"{_describe(value)} is not a list of strings", 'set e.g. ["OMP_PROC_BIND"]')
+    for name in value:
+        if not _ENV_VAR_RE.fullmatch(name):
+            raise src.fail(
+                f"{name!r} is not a variable name", "use upper-case letters, digits and '_'"
+            )
+        if name in _NEVER_ENGINE_ENV or name.startswith(_NEVER_ENGINE_ENV_PREFIXES):
+            raise src.fail(
+                f"{name!r} may not be set by a launch: the agent sets it, or it would override "
+                "a guardrail",
+                "remove it",
+            )
+    return tuple(value)
+
+
 def _bool(value: Any, src: _Source) -> bool:
     if src.env_var and isinstance(value, str):
         text = value.strip().lower()
@@ -416,6 +443,7 @@ _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "DockerEndpoint": ("docker_endpoint", _docker_endpoint),
     "GpusExpected": ("gpus_expected", _bool),
     "LogLevel": ("log_level", _log_level),
+    "EngineEnvAllow": ("engine_env_allow", _engine_env_allow),
     "HttpMaxHeadBytes": ("http_max_head_bytes", _int(1024, 16 * 1024 * 1024)),
     "HttpMaxHeaders": ("http_max_headers", _int(8, 10_000)),
     "HttpHeadTimeoutSeconds": ("http_head_timeout_seconds", _seconds(allow_zero=False)),

@@ -33,6 +33,7 @@ __all__ = [
     "FlagRefused",
     "check_chat_template",
     "check_engine_argv",
+    "check_engine_env",
     "check_extra_args",
     "engine_flags",
 ]
@@ -186,6 +187,9 @@ class EngineFlags:
     last: tuple[int, int]
     flags: tuple[Flag, ...]
     chat_templates: tuple[str, ...]
+    # Environment variables a launch may set for the engine, each with its value
+    # shape; the agent sets PATH, HOME, LANG, the key and the GPU list itself.
+    env: tuple[tuple[str, Shape], ...] = ()
 
     def lookup(self, token: str) -> Flag | None:
         """The flag ``token`` spells exactly, or None."""
@@ -215,6 +219,15 @@ _LLAMACPP_06_TEMPLATES = (
     "openchat", "orion", "pangu-embedded", "phi3", "phi4", "rwkv-world", "seed_oss",
     "smolvlm", "solar-open", "vicuna", "vicuna-orca", "yandex", "zephyr",
 )  # fmt: skip
+
+# The engine's environment: a few tuning switches, nothing that names a file, a
+# library or a flag (llama-server reads LLAMA_ARG_* as flags; the loader, LD_*).
+# ggml tests the two CUDA switches for being set at all, so their one value is "1".
+_LLAMACPP_06_ENV: tuple[tuple[str, Shape], ...] = (
+    ("OMP_NUM_THREADS", IntRange(1, 1024)),
+    ("GGML_CUDA_NO_PINNED", Words(("1",))),
+    ("GGML_CUDA_ENABLE_UNIFIED_MEMORY", Words(("1",))),
+)
 
 # Where the master's builder puts them (typed settings and the system's own flags).
 _LLAMACPP_06_SYSTEM = (
@@ -331,6 +344,7 @@ ENGINE_FLAG_TABLES: tuple[EngineFlags, ...] = (
         last=(0, 6),
         flags=_LLAMACPP_06_SYSTEM + _LLAMACPP_06_OPERATOR,
         chat_templates=_LLAMACPP_06_TEMPLATES,
+        env=_LLAMACPP_06_ENV,
     ),
 )
 
@@ -433,6 +447,46 @@ def check_engine_argv(
         if needed not in seen:
             raise FlagRefused(len(argv), needed, f"args must contain '{form}': {why}")
     return seen["--alias"][1]
+
+
+# The value of a variable the node's operator allows (EngineEnvAllow): any text of
+# reasonable length without control characters.
+_OPERATOR_ENV_VALUE = Pattern(
+    re.compile(r"[^\x00-\x1f\x7f]{0,4096}"), "text without control characters"
+)
+
+
+def check_engine_env(
+    env: Sequence[tuple[str, str]],
+    *,
+    engine: str = "llamacpp",
+    version: str | None = None,
+    node_allows: Sequence[str] = (),
+) -> None:
+    """Check a launch's environment variables against the engine's list.
+
+    ``node_allows`` are names the node's own operator added (the agent's
+    ``EngineEnvAllow``); their values only have to be plain text. Raises
+    :class:`FlagRefused` with ``flag`` set to the variable's name and ``index`` its
+    position in ``env``.
+    """
+    table = engine_flags(engine, version)
+    allowed: dict[str, Shape] = dict(table.env)
+    for name in node_allows:
+        allowed.setdefault(name, _OPERATOR_ENV_VALUE)
+    for index, (name, value) in enumerate(env):
+        shape = allowed.get(name)
+        if shape is None:
+            names = ", ".join(allowed) or "none"
+            raise FlagRefused(
+                index,
+                name,
+                f"env {name!r} is not an allowed {table.label} variable (allowed: {names}); "
+                "set engine options in args",
+            )
+        problem = shape.problem(value)
+        if problem:
+            raise FlagRefused(index, name, f"env {name} value {value!r} {problem}")
 
 
 def check_extra_args(

@@ -213,7 +213,7 @@ class ProcessRuntime(Adoption):
         spec = parse_launch_spec(body)
         check_runtime(spec)
         alias = check_args(spec.args, spec.executable_version)
-        check_env(spec.env)
+        check_env(spec.env, spec.executable_version, self._config.engine_env_allow)
         model_path = resolve_model_path(
             self._config.models_root_path, spec.model_folder, spec.model_file
         )
@@ -223,6 +223,7 @@ class ProcessRuntime(Adoption):
         if exe.version != spec.executable_version:
             # The node's default was chosen: check against that version's allow-list too.
             check_args(spec.args, exe.version)
+            check_env(spec.env, exe.version, self._config.engine_env_allow)
         async with self._launch_lock:
             current = self._instances.get(spec.instance_id)
             if current is not None and current.state in (STARTING, READY):

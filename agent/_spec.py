@@ -22,6 +22,7 @@ from agent._engine_flags import (
     PORT_PLACEHOLDER,
     FlagRefused,
     check_engine_argv,
+    check_engine_env,
 )
 from agent._errors import InvalidRequest, SpecRejected
 
@@ -42,15 +43,10 @@ __all__ = [
 
 INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 FOLDER_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
-_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-# Variables the agent sets itself, and the dynamic loader's, which would let a spec run
-# foreign code inside the engine.
-_RESERVED_ENV = {"LLAMA_API_KEY", "PATH", "HOME", "LANG", "CUDA_VISIBLE_DEVICES"}
 # GPU pinning (gpuUuids). A MIG instance has its own MIG-... UUID. Commas never match:
 # the UUIDs are joined with commas into CUDA_VISIBLE_DEVICES.
 GPU_UUID_RE = re.compile(r"^(?:GPU-[0-9a-fA-F-]{8,64}|MIG-[0-9A-Za-z-]{8,64})$")
 MAX_GPUS = 16
-_RESERVED_ENV_PREFIXES = ("LD_", "LLAMA_ARG_")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -207,21 +203,29 @@ def check_args(args: tuple[str, ...], version: str | None = None) -> str:
         ) from None
 
 
-def check_env(env: tuple[tuple[str, str], ...]) -> None:
-    """Refuse variables the agent owns and the loader's, which could inject code."""
+def check_env(
+    env: tuple[tuple[str, str], ...],
+    version: str | None = None,
+    node_allows: tuple[str, ...] = (),
+) -> None:
+    """Check the engine's extra environment against its allow-list (agent._engine_flags).
+
+    An allow-list, as for argv: the loader's variables (LD_*), llama-server's
+    LLAMA_ARG_* (read as flags) and anything that names a file stay out because they
+    are not on it. The agent sets PATH, HOME, LANG, the key and CUDA_VISIBLE_DEVICES.
+    ``node_allows`` is the node's ``EngineEnvAllow`` (docs/agent.md).
+    """
     for name, _value in env:
-        if not _ENV_NAME_RE.fullmatch(name):
-            raise SpecRejected(f"env name {name!r} is not a valid variable name")
         if name == "CUDA_VISIBLE_DEVICES":
             raise SpecRejected(
                 "env CUDA_VISIBLE_DEVICES is refused: the agent sets it itself from "
-                "gpuUuids (pin GPUs by UUID there)"
+                "gpuUuids (pin GPUs by UUID there)",
+                details={"flag": name},
             )
-        if name in _RESERVED_ENV or name.startswith(_RESERVED_ENV_PREFIXES):
-            raise SpecRejected(
-                f"env {name} is refused: the agent sets it itself, or it could override a "
-                "guardrail (set engine options in args)"
-            )
+    try:
+        check_engine_env(env, engine="llamacpp", version=version, node_allows=node_allows)
+    except FlagRefused as exc:
+        raise SpecRejected(exc.message, details={"flag": exc.flag}) from None
 
 
 def resolve_model_path(models_root: Path, folder: str, file: str) -> Path:

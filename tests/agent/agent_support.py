@@ -147,6 +147,22 @@ def make_identity(pki: Pki, state_dir: Path, node_id: str = "n1") -> Identity:
     return load_identity(state_dir, node_id=node_id)
 
 
+# The fake engines are driven by these variables; the test agents allow them the way
+# a node's operator would (EngineEnvAllow), since no engine allow-list has them.
+FAKE_ENGINE_ENV = (
+    "FAKE_MODE",
+    "FAKE_RELEASE_FILE",
+    "FAKE_CHILD_PID_FILE",
+    "FAKE_READY_DELAY",
+    "FAKE_ENV_FILE",
+    "FAKE_GPU_DIR",
+    "FAKE_GPU_ALLOC_MIB",
+    "FAKE_ALLOC_MIB",
+    "FAKE_CHILD_ALLOC_MIB",
+    "FAKE_GROW_MIB",
+    "FAKE_GROW_AFTER",
+)
+
 FAKE_ENGINE = textwrap.dedent(
     r"""
     import json, os, signal, subprocess, sys, threading, time

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 from agent_support import (
     FAKE_ENGINE,
+    FAKE_ENGINE_ENV,
     MASTER_URI,
     Pki,
     RunningAgent,
@@ -77,6 +78,7 @@ def make_config(state_dir: Path, models_root: Path) -> Callable[..., AgentConfig
             health_check_interval_seconds=60,
             # Tests must not leave engines behind; the default (false) is tested explicitly.
             stop_instances_on_shutdown=True,
+            engine_env_allow=FAKE_ENGINE_ENV,
         )
         return replace(base, **overrides)
 

@@ -216,3 +216,19 @@ def test_cli_process_exit_code(tmp_path: Path) -> None:
     assert done.stderr.strip() == (
         f'agent: {path}: Port: "nope" is not an integer; set a whole number from 0 to 65535'
     )
+
+
+def test_engine_env_allow_from_file_and_environment(tmp_path: Path) -> None:
+    path = write(tmp_path, minimal(tmp_path, EngineEnvAllow=["OMP_PROC_BIND"]))
+    assert load_config(path, environ={}).engine_env_allow == ("OMP_PROC_BIND",)
+    env = {"MIRBAD_AGENT_ENGINE_ENV_ALLOW": '["GGML_VK_VISIBLE_DEVICES"]'}
+    assert load_config(path, environ=env).engine_env_allow == ("GGML_VK_VISIBLE_DEVICES",)
+    assert load_config(write(tmp_path, minimal(tmp_path)), environ={}).engine_env_allow == ()
+
+
+@pytest.mark.parametrize("name", ["LD_PRELOAD", "PATH", "LLAMA_API_KEY", "LLAMA_ARG_HOST", "lower"])
+def test_engine_env_allow_refuses_guardrail_names(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, minimal(tmp_path, EngineEnvAllow=[name])), environ={})
+    assert info.value.field == "EngineEnvAllow"
+    assert repr(name) in str(info.value)

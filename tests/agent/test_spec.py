@@ -98,11 +98,27 @@ def test_port_model_and_alias_required() -> None:
         "LLAMA_ARG_HOST",
         "1BAD",
         "CUDA_VISIBLE_DEVICES",
+        # Not on the allow-list: a deny-list would have let these through.
+        "XDG_CONFIG_HOME",
+        "GGML_SCHED_MAX_COPIES",
+        "PYTHONPATH",
+        "LLAMA_LOG_FILE",
     ],
 )
 def test_refused_env(name: str) -> None:
-    with pytest.raises(SpecRejected):
+    with pytest.raises(SpecRejected) as exc:
         check_env(((name, "x"),))
+    assert exc.value.details == {"flag": name}
+    assert name in exc.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("OMP_NUM_THREADS", "0"), ("OMP_NUM_THREADS", "2; rm -rf /"), ("GGML_CUDA_NO_PINNED", "0")],
+)
+def test_allowed_env_name_with_a_bad_value_is_refused(name: str, value: str) -> None:
+    with pytest.raises(SpecRejected, match=name):
+        check_env(((name, value),))
 
 
 def test_allowed_env() -> None:
@@ -194,3 +210,11 @@ def test_parse_names_fields() -> None:
         parse_launch_spec(launch_body(executable={"name": "llama.cpp", "version": 3}))
     spec = parse_launch_spec({**launch_body(), "futureField": 1, "env": None})
     assert spec.env == ()
+
+
+def test_a_node_operator_may_allow_more_engine_variables() -> None:
+    with pytest.raises(SpecRejected):
+        check_env((("OMP_PROC_BIND", "close"),))
+    check_env((("OMP_PROC_BIND", "close"),), node_allows=("OMP_PROC_BIND",))
+    with pytest.raises(SpecRejected, match="OMP_PROC_BIND"):
+        check_env((("OMP_PROC_BIND", "a\nb"),), node_allows=("OMP_PROC_BIND",))
