@@ -93,10 +93,18 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
         expect(cpu).to_have_text(re.compile(r"\d+ %"), timeout=15_000)
         page.screenshot(path=str(tmp_path / "overview-ready.png"))
 
-        psutil.Process(stack.pid("agent")).kill()
-        t0 = time.monotonic()
-        expect(node_state).to_have_text("Offline", timeout=30_000)
-        expect(model_state).to_have_text("Offline", timeout=5_000)
-        print(f"the page showed Offline {time.monotonic() - t0:.1f} s after the kill")
+        # Stopped, not killed: `up` would restart a killed agent at once (D34), and
+        # this checks that the page follows the monitor's 15 s Offline rule live.
+        agent = psutil.Process(stack.pid("agent"))
+        agent.suspend()
+        try:
+            t0 = time.monotonic()
+            expect(node_state).to_have_text("Offline", timeout=30_000)
+            expect(model_state).to_have_text("Offline", timeout=5_000)
+            print(f"the page showed Offline {time.monotonic() - t0:.1f} s after SIGSTOP")
+        finally:
+            agent.resume()
+        expect(node_state).to_have_text("Online", timeout=30_000)
+        expect(model_state).to_have_text("Ready", timeout=15_000)
         assert page.evaluate("window.__noReload") == 42, "the page was reloaded"
         browser.close()
