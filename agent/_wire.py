@@ -52,6 +52,11 @@ __all__ = [
 ]
 
 _BODY_CHUNK = 64 * 1024
+# An answer's head (status line and headers) and header count: an engine's answer has
+# a dozen headers; a server that sends more, or never ends its head, is cut off here
+# instead of growing the parser's buffer (docs/decisions.md D40).
+MAX_RESPONSE_HEAD = 64 * 1024
+MAX_RESPONSE_HEADERS = 100
 
 
 class _Connection(asyncio.Protocol):
@@ -59,6 +64,7 @@ class _Connection(asyncio.Protocol):
 
     __slots__ = (
         "_drain",
+        "_head_bytes",
         "_interim",
         "_lost",
         "_parser",
@@ -85,6 +91,7 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._lost: BaseException | None = None
         self._interim = False
+        self._head_bytes = 0  # of the current answer, until its headers are complete
 
     # -- asyncio.Protocol ----------------------------------------------------------
 
@@ -99,8 +106,18 @@ class _Connection(asyncio.Protocol):
             return
         response.last_read = time.monotonic()
         response.received = True
+        in_head = not response.status
         try:
             self._parser.feed_data(data)
+            if in_head and not response.status and not response.done:
+                # Still in the head after this read: count it (a head that ends in this
+                # read may share it with body bytes, which must not count).
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_RESPONSE_HEAD:
+                    response.fail(
+                        BadResponse(f"the server's answer head is over {MAX_RESPONSE_HEAD} bytes")
+                    )
+                    self.abort()
         except httptools.HttpParserUpgrade:
             response.fail(BadResponse("the server switched protocols"))
             self.abort()
@@ -132,11 +149,20 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.response.raw_headers.append((name, value))  # type: ignore[union-attr]
+        headers = self.response.raw_headers  # type: ignore[union-attr]
+        if len(headers) <= MAX_RESPONSE_HEADERS:  # one more marks "too many"
+            headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
+        if len(response.raw_headers) > MAX_RESPONSE_HEADERS:
+            response.fail(
+                BadResponse(f"the server's answer has more than {MAX_RESPONSE_HEADERS} headers")
+            )
+            # Not from inside the parser's callback: the read that fed it closes it.
+            asyncio.get_running_loop().call_soon(self.abort)
+            return
         status = self._parser.get_status_code()
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints): the final one follows.
@@ -167,6 +193,7 @@ class _Connection(asyncio.Protocol):
 
     def begin(self, response: WireResponse) -> None:
         self.response = response
+        self._head_bytes = 0
         self._parser = httptools.HttpResponseParser(self)
 
     def finished(self, *, keep_alive: bool) -> None:

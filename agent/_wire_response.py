@@ -13,14 +13,17 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from agent._errors import Disconnected, ReadTimeout
+from agent._errors import BadResponse, Disconnected, ReadTimeout
 
 if TYPE_CHECKING:
     from agent._wire import _Connection
 
-__all__ = ["WireResponse"]
+__all__ = ["MAX_WHOLE_BODY", "WireResponse"]
 
 _HIGH_WATER = 256 * 1024  # buffered answer bytes above which reading pauses
+# The most a whole-body read() takes by default: a streamed answer is never held whole,
+# and the answers read whole (embeddings to rewrite, error bodies) are far smaller.
+MAX_WHOLE_BODY = 256 * 1024 * 1024
 
 
 class WireResponse:
@@ -32,6 +35,7 @@ class WireResponse:
         "_conn",
         "_error",
         "_headers",
+        "_limit",
         "_paused",
         "_started",
         "_timeout",
@@ -60,6 +64,7 @@ class WireResponse:
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._whole = False
+        self._limit = MAX_WHOLE_BODY
         self._timeout = read_timeout
         self._timer: asyncio.TimerHandle | None = None
         self._headers: dict[str, str] | None = None
@@ -96,8 +101,12 @@ class WireResponse:
         """Whether the whole body arrived and was taken by the caller."""
         return self.done and self._error is None and not self._chunks
 
-    async def read(self) -> bytes:
-        """The rest of the body, whole."""
+    async def read(self, limit: int = MAX_WHOLE_BODY) -> bytes:
+        """The rest of the body, whole; BadResponse (and the connection cut) past ``limit``."""
+        self._limit = limit
+        length = self.content_length
+        if not self.done and ((length is not None and length > limit) or self._buffered > limit):
+            self._too_large()
         self._whole = True  # the caller takes it all at once: no reason to pause reading
         self._resume()
         while not self.done:
@@ -172,6 +181,9 @@ class WireResponse:
     def body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
+        if self._whole and self._buffered > self._limit:
+            self._too_large()
+            return
         if (
             self._buffered > _HIGH_WATER
             and not self._paused
@@ -200,6 +212,17 @@ class WireResponse:
         if conn is not None:
             conn.finished(keep_alive=keep_alive)
         self._wake()
+
+    def _too_large(self) -> None:
+        """A whole-body read past its limit: the answer fails and its connection is cut."""
+        conn = self._conn
+        self._chunks.clear()
+        self._buffered = 0
+        self.fail(
+            BadResponse(f"the server's answer is over {self._limit} bytes, too big to read whole")
+        )
+        if conn is not None:
+            conn.abort()
 
     def fail(self, error: BaseException) -> None:
         if self.done:

@@ -459,7 +459,8 @@ class RouterApp:
         self, response: WireResponse, code: str, name: str, node_id: str
     ) -> None:
         try:
-            message = json.loads(await response.read())["error"]["message"]
+            # An agent's error body is a line of JSON; a bigger one is not read whole.
+            message = json.loads(await response.read(limit=65536))["error"]["message"]
         except Exception:
             message = code
         if code == "model_not_running":

@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from multidict import CIMultiDict
 
 from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
-from agent._wire import WirePool
+from agent._wire import MAX_RESPONSE_HEADERS, WirePool
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -924,3 +924,83 @@ async def test_pool_close_closes_idle_connections_and_refuses_requests(pool: Wir
         with pytest.raises(WireError):
             await pool.request("GET", "127.0.0.1", server.port, "/")
         assert server.accepted == 1
+
+
+# -- caps on what a server can make us hold ------------------------------------------
+
+
+async def _answer_with(head: bytes, then: bytes = b"") -> Handler:
+    async def send(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(head + then)
+        await writer.drain()
+        await reader.read()
+
+    return send
+
+
+async def test_an_answer_with_too_many_headers_is_bad_response(pool: WirePool) -> None:
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_RESPONSE_HEADERS + 1))
+    handler = await _answer_with(b"HTTP/1.1 200 OK\r\n" + many + b"Content-Length: 2\r\n\r\nok")
+    async with raw_server(handler) as server:
+        with pytest.raises(BadResponse, match="headers"):
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_headers_up_to_the_cap_are_taken(pool: WirePool) -> None:
+    many = b"".join(b"X-H%d: v\r\n" % i for i in range(MAX_RESPONSE_HEADERS - 1))
+    handler = await _answer_with(b"HTTP/1.1 200 OK\r\n" + many + b"Content-Length: 2\r\n\r\nok")
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert len(response.raw_headers) == MAX_RESPONSE_HEADERS
+        assert await response.read() == b"ok"
+
+
+async def test_an_answer_head_that_never_ends_is_cut_off(pool: WirePool) -> None:
+    async def endless(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Big: ")
+        for _ in range(64):  # 4 MiB of one header value, never terminated
+            writer.write(b"a" * 65536)
+            await writer.drain()
+        await reader.read()
+
+    async with raw_server(endless) as server:
+        with pytest.raises(BadResponse, match="head is over"):
+            await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=5.0)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_a_big_head_with_its_body_in_one_read_is_not_refused(pool: WirePool) -> None:
+    # 60 KiB of headers and a 200 KiB body, written at once: only head bytes count.
+    head = b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 60_000 + b"\r\nContent-Length: 204800\r\n\r\n"
+    handler = await _answer_with(head, b"b" * 204_800)
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert len(await response.read()) == 204_800
+
+
+async def test_read_whole_refuses_an_announced_length_over_its_limit(pool: WirePool) -> None:
+    handler = await _answer_with(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n", b"x" * 10)
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        with pytest.raises(BadResponse, match="too big to read whole"):
+            await response.read(limit=65536)
+        await eventually(lambda: pool.connections == 0)
+
+
+async def test_read_whole_cuts_a_chunked_answer_past_its_limit(pool: WirePool) -> None:
+    async def chunks(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(64):  # 4 MiB in 64 KiB chunks, no end
+            writer.write(b"10000\r\n" + b"c" * 65536 + b"\r\n")
+            await writer.drain()
+        await reader.read()
+
+    async with raw_server(chunks) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=5.0)
+        with pytest.raises(BadResponse, match="too big to read whole"):
+            await response.read(limit=1024 * 1024)
+        await eventually(lambda: pool.connections == 0)
