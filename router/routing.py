@@ -55,6 +55,8 @@ class RoutingTable:
     def __init__(self) -> None:
         self._routes: dict[str, tuple[float, Route | None]] = {}
         self._keys: dict[str, tuple[float, keys.KeyInfo | None]] = {}
+        # Every served name, for /v1/models: one entry, dropped by any route change.
+        self._names: dict[str, tuple[float, list[str]]] = {}
         self._statuses: dict[str, tuple[float, dict | None]] = {}
         self._status_reads: dict[str, asyncio.Future[dict | None]] = {}
         self._loads: dict[tuple[int, str], asyncio.Future[Any]] = {}
@@ -82,6 +84,7 @@ class RoutingTable:
         elif message.get("kind") == "keys":
             self._keys.clear()
         elif message.get("kind") == "routes":
+            self._names.clear()  # a route added, renamed or removed changes the list
             name = message.get("name")
             if name is None:
                 self._routes.clear()
@@ -152,7 +155,8 @@ class RoutingTable:
             log.warning("Loading a cached route or key failed: %r", future.exception())
 
     async def ready_models(self) -> list[str]:
-        names = await sync_to_async(_all_served_names)()
+        """The served names with a ready replica, from the caches (no query per call)."""
+        names = await self._cached(self._names, "", ROUTE_TTL, _all_served_names)
         ready = []
         for name in names:
             route = await self.route(name)
@@ -292,5 +296,5 @@ def _load_route(served_name: str) -> Route | None:
     )
 
 
-def _all_served_names() -> list[str]:
+def _all_served_names(_: str = "") -> list[str]:
     return list(ModelDefinition.objects.values_list("served_name", flat=True))

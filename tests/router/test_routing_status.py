@@ -160,3 +160,26 @@ async def test_a_failed_key_load_never_logs_the_key(
         await table.key("mb-secret-token-123")
     assert "database away" in caplog.text
     assert "mb-secret-token-123" not in caplog.text
+
+
+async def test_the_model_list_is_cached_until_a_route_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """/v1/models used to query every served name on every call."""
+    calls: list[str] = []
+    names = ["a", "b"]
+
+    def all_names(_: str = "") -> list[str]:
+        calls.append("names")
+        return list(names)
+
+    monkeypatch.setattr(routing, "_all_served_names", all_names)
+    monkeypatch.setattr(routing, "_load_route", lambda name: None)
+    table = routing.RoutingTable()
+    for _ in range(5):
+        assert await table.ready_models() == []  # no route: nothing ready
+    assert calls == ["names"]
+    names.append("c")
+    table.invalidate({"kind": "routes", "name": "c"})
+    await table.ready_models()
+    assert calls == ["names", "names"]
