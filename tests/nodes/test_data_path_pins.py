@@ -58,3 +58,37 @@ async def test_the_right_pin_passes_and_a_wrong_one_sends_nothing(
     bad = await sync_to_async(node_ssl_context)(node)
     with pytest.raises(ConnectFailed, match="does not match the node's pin"):
         await _on(loop_factory, _info(bad, port))
+
+
+async def _twice(first: Any, second: Any, port: int) -> tuple[int, int, BaseException | None]:
+    """One pool: a request with ``first``, then one with ``second``; connections made."""
+    pool = WirePool(connect_timeout=5)
+    try:
+        response = await pool.request("GET", "127.0.0.1", port, "/agent/v1/info", ssl_context=first)
+        await response.read()
+        kept = pool.connections  # the first connection, idle in the pool
+        try:
+            response = await pool.request(
+                "GET", "127.0.0.1", port, "/agent/v1/info", ssl_context=second
+            )
+            await response.read()
+        except ConnectFailed as exc:
+            return response.status, kept, exc
+        return response.status, kept, None
+    finally:
+        await pool.close()
+
+
+async def test_a_rekeyed_node_gets_no_connection_verified_under_its_old_pin(
+    enrolled: Enrolled,
+) -> None:
+    """The router builds a new context when a node's pins change (router.app); the pool
+    keys connections by context, so the old one is never handed to a request under the
+    new pin: the new pin is checked in a new handshake (here a wrong pin, so it fails)."""
+    node = enrolled.node
+    old = await sync_to_async(node_ssl_context)(node)
+    node.spki_pin = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="
+    new = await sync_to_async(node_ssl_context)(node)
+    status, kept, error = await _twice(old, new, enrolled.server.port)
+    assert status == 200 and kept == 1
+    assert isinstance(error, ConnectFailed), "the old pin's connection was reused"
