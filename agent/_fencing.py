@@ -1,4 +1,4 @@
-"""Master fencing on the agent (seed 000 section 8).
+"""Master fencing on the agent (docs/agent-api.md, "Fencing").
 
 Every mutating request carries ``MirbadLLM-Master: {instance}/{epoch}/{boot}``
 and ``MirbadLLM-Request-Time``. The agent persists the highest triple it

@@ -202,7 +202,7 @@ def _parse(view: memoryview, size: int, name: str) -> Header:
 
 
 def summary(header: Header) -> dict[str, Any]:
-    """The header summary of seed 002 section 7.3."""
+    """The header summary of docs/agent-api.md, "GET /agent/v1/folders/{folder}/gguf"."""
     md = header.metadata
     arch = str(md.get("general.architecture", ""))
 

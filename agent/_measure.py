@@ -1,4 +1,4 @@
-"""What an engine really uses, and one start at a time per GPU (seed 002 section 5.3).
+"""What an engine really uses, and one start at a time per GPU (docs/agent-api.md, "measured").
 
 ``Measured`` is an instance's measured memory as the agent reports and persists it;
 ``gpu_delta`` turns memory.used before and after a GPU start into one; ``GpuLocks``
@@ -28,7 +28,7 @@ def is_int(value: Any) -> bool:
 
 @dataclass
 class Measured:
-    """What an instance's engine really uses, measured after Ready (seed 002 section 5.3).
+    """What an instance's engine really uses, measured after Ready (docs/agent-api.md, "measured").
 
     ``kind`` is ``rss`` (the process group's resident memory, for a start without GPUs)
     or ``gpu-delta`` (the rise of memory.used on the placed GPUs over the start, with

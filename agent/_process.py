@@ -26,12 +26,12 @@ stopped; any other process is left alone.
 
 GPUs. A spec may pin GPUs by UUID (``gpuUuids``); the agent checks they exist on this
 node and sets CUDA_VISIBLE_DEVICES to them, in the spec's order. Only one start per GPU
-runs at a time (seed 002 section 7.6, "reserved"): a start takes its GPUs' locks, in
+runs at a time (docs/agent-api.md, "One start per GPU"): a start takes its GPUs' locks, in
 sorted order, and holds them until the instance is Ready, Failed or stopped; a start
 whose GPUs are busy is answered at once, Starting with ``startQueuedAt`` and no port
 or pid, and goes on when they are free. Starts without GPUs never wait.
 
-Measured memory (seed 002 section 5.3). Right after Ready the agent measures what the
+Measured memory (docs/agent-api.md, "measured"). Right after Ready the agent measures what the
 engine really uses: for a GPU start the rise of nvidia-smi's memory.used on its GPUs
 between just before the process was created and just after Ready (the per-GPU lock is
 what keeps another start's allocation out of it); for a start without GPUs the RSS of

@@ -332,10 +332,11 @@ class Launcher:
 
     def _node_online(self) -> bool:
         from nodes import status_cache
+        from nodes.states import SERVING
 
         with contextlib.suppress(Exception):
             status = status_cache.read(self.config.bootstrap_node_id)
-            return status is not None and status.get("state") in ("Online", "Degraded")
+            return status is not None and status.get("state") in SERVING
         return False
 
     def demo_model(self) -> str:

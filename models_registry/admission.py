@@ -1,6 +1,6 @@
 """Admission: does a model's memory budget fit where it is placed, right now?
 
-Two kinds of node (seed 002 sections 5.3 and 7.4):
+Two kinds of node (docs/operator-guide.md, "Admission, placement and replicas"):
 
 * CPU and unified-memory nodes (no GPU pinned by the placement): the budget
   must fit the host's available memory minus the node's reserve.
@@ -67,7 +67,7 @@ class Line:
 
 
 def shape_from_summary(summary: dict[str, Any]) -> est.ModelShape:
-    """The estimate's inputs from the agent's GGUF header summary (seed 002 section 7.3)."""
+    """The estimate's inputs from the agent's GGUF header summary (docs/agent-api.md, "GET /agent/v1/folders/{folder}/gguf")."""
 
     def integer(key: str, default: int | None = None) -> int:
         value = summary.get(key)

@@ -2,13 +2,13 @@
 
 The master reads Hugging Face itself only to inspect a repo (its GGUF
 variants) and to resolve a revision to an immutable commit SHA; the bytes are
-fetched by the node's agent (seed 002 section 7.1), so they go straight to the
+fetched by the node's agent (docs/operator-guide.md, "Getting weights onto a node"), so they go straight to the
 disk that needs them. The Hugging Face endpoint is huggingface_hub's own
 ``HF_ENDPOINT``, so the master and the agents it drives point at the same hub.
 It is read from the environment at each call and passed to ``HfApi``
 explicitly: huggingface_hub reads ``HF_ENDPOINT`` only once, at import.
 
-The ``?node=`` rules (seed 002 section 6) come from
+The ``?node=`` rules (docs/operator-guide.md, "Models through /api") come from
 :func:`nodes.services.node_from_param`. The token is passed through in the
 POST body and nowhere else: never logged here, never stored.
 

@@ -1,4 +1,4 @@
-"""The llama.cpp admission estimate (seed 002 section 7.4).
+"""The llama.cpp admission estimate (docs/operator-guide.md, "Admission, placement and replicas").
 
 llama.cpp cannot say how much memory a model will take before it takes it,
 so the master estimates it from the GGUF header and the settings, on the safe

@@ -1,6 +1,6 @@
 """Starting, stopping and restarting models: the estimate, admission and auto-start.
 
-The answers follow seed 000 section 7 ("Admin API answers for model
+The answers follow docs/operator-guide.md ("Admin API answers for model
 commands"): 404 unknown model; 409 for what the operator must resolve
 (unplaced, node revoked, not approved or draining, admission refused, weights
 missing); 503 when a node is not serving or cannot be reached; 504 when the
@@ -9,8 +9,8 @@ unknown; 422 when the agent refuses the spec.
 
 A start, per placement: the node must be serving, the agent reads the GGUF
 header (so the estimate uses the file that will really be loaded, every
-split part included), the master computes the estimate (seed 002 section
-7.4), admission checks the budget against the node's memory (see
+split part included), the master computes the estimate (docs/operator-guide.md, "Admission,
+placement and replicas"), admission checks the budget against the node's memory (see
 :mod:`models_registry.admission`), and only then is the launch sent. Every
 check of every placement runs before the first launch, so a refused replica
 does not leave the others half started.
@@ -72,7 +72,7 @@ def launch_spec(model: ModelDefinition, placement: Placement) -> dict[str, Any]:
 
 
 def restart_pending(model: ModelDefinition, placement: Placement, instance: dict | None) -> bool:
-    """True when what runs no longer matches the definition (seed 002 section 7.5).
+    """True when what runs no longer matches the definition (docs/operator-guide.md, "llama.cpp settings").
 
     The fingerprint is the canonical argv, the executable version and the
     environment names; with no version pinned on the model, the version the

@@ -55,7 +55,7 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class LlamaCppSettings:
-    """The editor's llama.cpp section (seed 002 section 7.5)."""
+    """The editor's llama.cpp section (docs/operator-guide.md, "llama.cpp settings")."""
 
     context_size: int = 4096  # per slot; -c is context_size x parallel
     parallel: int = 1
@@ -66,7 +66,7 @@ class LlamaCppSettings:
     batch_size: int | None = None
     ubatch_size: int | None = None
     embedding: bool = False
-    # Router-side, not a flag: truncate + renormalise for ``dimensions`` (section 8.2).
+    # Router-side, not a flag: truncate + renormalise for ``dimensions`` (docs/operator-guide.md, "/v1").
     emulate_dimensions: bool = True
     pooling: str | None = None
     causal_attention: bool = True

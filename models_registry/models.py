@@ -84,7 +84,7 @@ class MemorySample(models.Model):
     """One start's budget beside what the instance really used once Ready.
 
     Kept so the estimate's error can be reported per architecture and
-    quantisation (seed 002 section 7.4): the estimate is deliberately on the
+    quantisation (docs/operator-guide.md, "Admission, placement and replicas"): the estimate is deliberately on the
     safe side, and these pairs show by how much.
     """
 

@@ -1,6 +1,6 @@
 """Model definitions: create, place, build launch specs, start and stop.
 
-The answers follow seed 000 section 7 ("Admin API answers for model
+The answers follow docs/operator-guide.md ("Admin API answers for model
 commands"): 404 unknown model, 409 for conflicts the operator must resolve
 (unplaced, node not registered, revoked or draining), 503 when the node is not
 serving or cannot be reached, 422 when the agent refuses the spec.

@@ -1,7 +1,7 @@
 """Placement suggestions: where a model would best run, and why the others would not.
 
-Ranked, best first, on what an operator weighs (seed 002 section 7.4, seed
-001 "engine presence in placement" and "disk checks"): the budget fits the
+Ranked, best first, on what an operator weighs (docs/operator-guide.md, "Admission, placement
+and replicas": engine presence in placement, disk checks): the budget fits the
 node's free memory now (on a GPU node, the single GPU with the most room);
 the node has the engine installed (a node that reports no executables at all
 is not excluded, only ranked lower: older agents report none); it already

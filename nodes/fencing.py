@@ -1,4 +1,4 @@
-"""The master's fencing identity and the one-active-monitor lock (DESIGN.md section 6).
+"""The master's fencing identity and the one-active-monitor lock (docs/operator-guide.md, "Fencing and takeover").
 
 ``DATA_PATH/master.json`` holds the instance id (created once), the epoch
 (raised and fsynced at every monitor start, before any agent call) and the

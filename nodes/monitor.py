@@ -23,7 +23,7 @@ from django.conf import settings
 from nodes import events, fencing, status_cache
 from nodes.agent_client import PROTOCOL_VERSIONS, AgentError, AsyncAgentClient
 from nodes.models import Node
-from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state
+from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState, compute_state
 
 log = logging.getLogger("mirbad.monitor")
 
@@ -150,7 +150,7 @@ class NodeWorker:
         model_id = instance.get("modelId")
         if not isinstance(model_id, int):
             return
-        serving = self.status.get("state") in (NodeState.ONLINE, NodeState.DEGRADED)
+        serving = self.status.get("state") in SERVING
         event = events.ModelUpdated(
             type="model.updated",
             model=events.ModelSummary(
@@ -205,7 +205,7 @@ class NodeWorker:
                 )
 
     def pending_takeover(self) -> bool:
-        """The agent accepted a master this one cannot overrule (seed 000 section 8)."""
+        """The agent accepted a master this one cannot overrule (docs/agent-api.md, "Fencing")."""
         try:
             identity = fencing.read_identity(settings.MIRBAD.data_path)
         except fencing.FencingError:

@@ -535,7 +535,7 @@ def set_reserves(
 
 
 def node_from_param(value: str | None, *, action: str) -> Node:
-    """The ``?node=`` rules of seed 002 section 6, for routes that act on one node."""
+    """The ``?node=`` rules of docs/operator-guide.md, "Models through /api", for routes that act on one node."""
 
     from nodes import status_cache
     from nodes.states import SERVING

@@ -1,4 +1,4 @@
-"""Node states, computed in one place (seed 000 section 6)."""
+"""Node states, computed in one place (docs/operator-guide.md, "Node states")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The /v1 router: a lean ASGI app ahead of Django (DESIGN.md section 8).
+"""The /v1 router: a lean ASGI app ahead of Django (docs/architecture.md).
 
 Per request: authenticate the key (cached), read the body up to 64 MiB to find
 ``model``, resolve the served name to a ready replica (registry + status

@@ -1,4 +1,4 @@
-"""OpenAI-shaped errors of /v1, with the codes and Retry-After of seed 000 section 7."""
+"""OpenAI-shaped errors of /v1, with the codes and Retry-After of docs/operator-guide.md."""
 
 from __future__ import annotations
 

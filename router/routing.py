@@ -19,7 +19,7 @@ from asgiref.sync import sync_to_async
 from models_registry.models import ModelDefinition
 from nodes import status_cache
 from nodes.models import Node
-from nodes.states import NodeState
+from nodes.states import SERVING, NodeState
 from router import errors, keys
 
 # Changes arrive through router.invalidation within milliseconds; the TTLs only
@@ -46,7 +46,7 @@ class Route:
     model_id: int
     served_name: str
     replicas: tuple[Replica, ...]
-    emulate_dimensions: bool = False  # a llama.cpp embedding model (seed 002 section 8.2)
+    emulate_dimensions: bool = False  # a llama.cpp embedding model (docs/operator-guide.md, "/v1")
 
 
 class RoutingTable:
@@ -231,10 +231,7 @@ class RoutingTable:
             if replica.node.maintenance_until is not None and replica.node.maintenance_left():
                 continue  # held by a job or an operator: no traffic until it ends
             status = await self.status(replica.node.node_id)
-            if status is None or status.get("state") not in (
-                NodeState.ONLINE.value,
-                NodeState.DEGRADED.value,
-            ):
+            if status is None or status.get("state") not in SERVING:
                 continue
             inst = (status.get("instances") or {}).get(replica.instance_id)
             if inst is not None and inst.get("state") == "Ready":
@@ -264,7 +261,7 @@ class RoutingTable:
         state = status.get("state") if status else NodeState.OFFLINE.value
         if state == NodeState.INCOMPATIBLE.value:
             raise errors.node_incompatible(route.served_name, first.node.node_id)
-        if state not in (NodeState.ONLINE.value, NodeState.DEGRADED.value):
+        if state not in SERVING:
             raise errors.node_offline(route.served_name, first.node.node_id)
         raise errors.model_not_ready(route.served_name)
 

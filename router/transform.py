@@ -1,4 +1,4 @@
-"""Request and response transforms of the /v1 router (seed 002 section 8.2, issue 5).
+"""Request and response transforms of the /v1 router (docs/operator-guide.md, "/v1", issue 5).
 
 The router is a byte pass-through; this module holds the few places where it is not,
 each written so that the untouched case costs next to nothing and returns the very

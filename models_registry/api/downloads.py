@@ -24,7 +24,7 @@ class DownloadList(APIView):
         response = Response(result, status=202)
         location = f"/api/downloads/{quote(result['folder'])}"
         if _node(request):
-            # The scope is echoed only when the caller named it (seed 002 section 6).
+            # The scope is echoed only when the caller named it (docs/operator-guide.md, "Models through /api").
             location += f"?node={quote(result['node'])}"
         response["Location"] = location
         return response

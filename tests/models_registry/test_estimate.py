@@ -1,4 +1,4 @@
-"""The admission estimate, against the worked example of seed 002 section 7.4."""
+"""The admission estimate, against the worked example of docs/operator-guide.md, "Admission, placement and replicas"."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def test_worked_example() -> None:
 
 
 def test_the_model_cards_micro_batch_would_not_fit() -> None:
-    # At the model card's -ub 8192 the same formula gives 13.5 GiB (seed 002 section 7.4).
+    # At the model card's -ub 8192 the same formula gives 13.5 GiB (docs/operator-guide.md, "Admission, placement and replicas").
     result = estimate(
         QWEN3_EMBEDDING_4B_Q8,
         context_size=8192,

@@ -1,4 +1,4 @@
-"""The llama-server argv builder (seed 002 section 7.5)."""
+"""The llama-server argv builder (docs/operator-guide.md, "llama.cpp settings")."""
 
 from __future__ import annotations
 
