@@ -36,9 +36,33 @@ from agent._spec import check_args, parse_launch_spec, resolve_model_path
 if TYPE_CHECKING:
     from agent._config import AgentConfig
 
-__all__ = ["Adoption"]
+__all__ = ["Adoption", "read_records", "runtime_folders"]
 
 log = logging.getLogger("mirbad.agent.process")
+
+
+def runtime_folders(config: AgentConfig) -> list[Path]:
+    """The configured executables' folders: only processes run from there can be ours."""
+    return sorted({entry.path.parent.resolve() for entry in config.executables})
+
+
+def read_records(state_file: Path, *, unreadable: str) -> list[dict[str, Any]] | None:
+    """The instance records of ``processes.json``; None when absent or unreadable.
+
+    ``unreadable`` ends the error logged for a file that cannot be read (what the
+    caller does instead).
+    """
+    try:
+        data = json.loads(state_file.read_text(encoding="utf-8"))
+        records = data["instances"]
+        if not isinstance(records, list):
+            raise TypeError("'instances' is not a list")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("Cannot read %s (%s); %s", state_file, exc, unreadable)
+        return None
+    return [r for r in records if isinstance(r, dict)]
 
 
 class Adoption:
@@ -60,21 +84,10 @@ class Adoption:
         raise NotImplementedError
 
     def _runtime_folders(self) -> list[Path]:
-        """The configured executables' folders: only processes run from there can be ours."""
-        return sorted({entry.path.parent.resolve() for entry in self._config.executables})
+        return runtime_folders(self._config)
 
     def _read_records(self) -> list[dict[str, Any]] | None:
-        try:
-            data = json.loads(self._state_file.read_text(encoding="utf-8"))
-            records = data["instances"]
-            if not isinstance(records, list):
-                raise TypeError("'instances' is not a list")
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            log.error("Cannot read %s (%s); starting with no instances", self._state_file, exc)
-            return None
-        return [r for r in records if isinstance(r, dict)]
+        return read_records(self._state_file, unreadable="starting with no instances")
 
     def _instance_from_record(self, record: dict[str, Any]) -> Instance:
         """The instance a record describes, Stopped; raises when it cannot be managed."""

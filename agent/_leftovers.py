@@ -11,12 +11,10 @@ digest), or, for a start whose pid was never recorded, by
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from pathlib import Path
-from typing import Any
 
+from agent._adoption import read_records, runtime_folders
 from agent._config import AgentConfig
 from agent._instance import PROCESSES_FILE, READY, STARTING
 from agent._reconcile import Observed, Pending, matches_record, observe, scan, stop_group
@@ -26,26 +24,16 @@ __all__ = ["stop_recorded_engines"]
 log = logging.getLogger("mirbad.agent.process")
 
 
-def _records(state_file: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(state_file.read_text(encoding="utf-8"))
-        records = data["instances"]
-    except FileNotFoundError:
-        return []
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.error("Cannot read %s (%s); no engine is stopped from it", state_file, exc)
-        return []
-    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
-
-
 def stop_recorded_engines(config: AgentConfig, *, grace: float = 10.0) -> list[int]:
     """Stop every live engine the agent of ``config`` recorded; returns their pids.
 
     Blocking (each stop waits up to ``grace`` s). Call it only once that agent is
     gone: a live agent would see its engines die under it.
     """
-    records = _records(config.state_directory / PROCESSES_FILE)
-    folders = sorted({entry.path.parent.resolve() for entry in config.executables})
+    records = read_records(
+        config.state_directory / PROCESSES_FILE, unreadable="no engine is stopped from it"
+    )
+    folders = runtime_folders(config)
     if not records or not folders:
         return []
     targets: list[Observed] = []

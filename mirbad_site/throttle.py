@@ -90,13 +90,16 @@ end
 """
 # ARGV: window ms, limit. Returns the wait in ms.
 CHECK = _WAIT + "return wait_ms()"
-# ARGV: window ms, limit, member suffix (a nonce, then the tag FORGIVE matches). Returns {refused, wait ms, failures in the window
+# ARGV: window ms, limit, member suffix (a nonce, then the tag FORGIVE matches), and
+# "1" to record even past the limit. Returns {refused, wait ms, failures in the window
 # of the first key}: refused = 1 when a counter was already full (nothing recorded).
+# A login whose password was checked passes "1": logins that passed the check at the
+# same moment are each a real guess, so each must count.
 RECORD = (
     _WAIT
     + """
 local before = wait_ms()
-if before > 0 then
+if before > 0 and ARGV[4] ~= '1' then
   return {1, before, redis.call('ZCARD', KEYS[1])}
 end
 local member = now .. ':' .. ARGV[3]
@@ -238,6 +241,7 @@ def record_login_failure(account: str, address: str | None, path: str) -> None:
             WINDOW_SECONDS * 1000,
             MAX_FAILURES,
             f"{secrets.token_hex(4)}:{_tag(account, address or '')}",
+            "1",
         ],
         "login failure",
     )

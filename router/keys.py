@@ -127,7 +127,9 @@ def update_key(key_id: int, changes: dict[str, Any]) -> ApiKey:
         elif field == "model_allowlist":
             cleaned[field] = _validate_allowlist(value)
         elif field == "expires_at":
-            cleaned[field] = _validate_expiry(value)
+            # Sending back the key's own expiry (already past) changes nothing: allowed.
+            unchanged = value is not None and value == row.expires_at
+            cleaned[field] = value if unchanged else _validate_expiry(value)
         else:
             cleaned[field] = validate_limit(field, value)
     for field, value in cleaned.items():

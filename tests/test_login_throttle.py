@@ -179,3 +179,18 @@ async def test_the_password_check_runs_off_the_shared_thread(
     )
     assert response.status_code == 302
     assert threads and all(name.startswith("mirbad-login") for name in threads), threads
+
+
+def test_a_checked_failure_counts_even_when_the_window_filled_meanwhile(user: object) -> None:
+    """Logins that passed the check together are each a real guess: all are counted.
+
+    With nine failures on record, parallel attempts all pass ``login_wait`` and all
+    have their password checked; the recording of each must add to the counter.
+    """
+    from mirbad_site import throttle
+
+    for _ in range(12):  # the 11th and 12th arrive after the window is full
+        throttle.record_login_failure("alice", "10.9.0.1", "/login/")
+    keys = throttle._login_keys("alice", "10.9.0.1")
+    counts = [throttle._redis().zcard(k) for k in keys]
+    assert counts == [12, 12]

@@ -74,7 +74,10 @@ def _translate(request: Request) -> dict[str, Any]:
     ):
         raise ServiceError(400, "invalid_request", "scopes: must be a list of strings.")
     if out.get("expires_at") is not None:
-        expires = parse_datetime(str(out["expires_at"]))
+        try:
+            expires = parse_datetime(str(out["expires_at"]))
+        except ValueError:  # well-formed but impossible, e.g. month 13
+            expires = None
         if expires is None or expires.tzinfo is None:
             raise ServiceError(
                 400, "invalid_request", "expiresAt: use an ISO 8601 time with a zone."

@@ -196,3 +196,27 @@ def test_patch_to_an_expiry_in_the_past_is_refused(operator_client: APIClient) -
     for value in (future, None):
         changed = operator_client.patch(f"/api/keys/{row.pk}", {"expiresAt": value}, format="json")
         assert changed.status_code == 200, changed.json()
+
+
+def test_patch_that_sends_back_an_expired_keys_own_expiry_is_accepted(
+    operator_client: APIClient,
+) -> None:
+    """A client that GETs a key and PATCHes the whole object back must not be refused."""
+    row, _ = keys.create_key(name="app", scopes=["chat"])
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=1)
+    ApiKey.objects.filter(pk=row.pk).update(expires_at=past)  # it expired since
+    response = operator_client.patch(
+        f"/api/keys/{row.pk}", {"name": "renamed", "expiresAt": past.isoformat()}, format="json"
+    )
+    assert response.status_code == 200, response.json()
+    row.refresh_from_db()
+    assert row.name == "renamed" and row.expires_at == past
+
+
+@pytest.mark.parametrize("value", ["2026-13-45T00:00:00Z", "2026-02-30T00:00:00+00:00"])
+def test_an_impossible_date_is_a_400_not_a_500(operator_client: APIClient, value: str) -> None:
+    response = operator_client.post(
+        "/api/keys", {"name": "x", "scopes": ["chat"], "expiresAt": value}, format="json"
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("expiresAt:")
