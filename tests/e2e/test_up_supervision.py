@@ -84,7 +84,8 @@ def test_each_child_killed_with_9_comes_back_and_a_stopped_monitor_is_stale(make
             lambda: (r := _healthz(stack))[0] == 503 and r, 40, "/healthz to report the monitor"
         )
         print(f"/healthz 503 {time.monotonic() - stopped_at:.1f} s after SIGSTOP: {body}")
-        assert body["monitor"] == "stale" and body["monitorBeatAgeSeconds"] > 15
+        # The age is shown rounded to 0.1 s: 15.04 s is stale and reads 15.0.
+        assert body["monitor"] == "stale" and body["monitorBeatAgeSeconds"] >= 15
         assert body["database"] == body["redis"] == "ok"
         assert stack.pid("monitor") == monitor
     finally:
