@@ -4,6 +4,7 @@
     python -m agent join --enroll-url URL --ca-hash sha256:B64 --node-id ID --state-dir DIR
                          [--address URL]... [--force]
     python -m agent install-llama-server --runtimes-dir DIR [--cache-dir DIR]
+    python -m agent stop-engines --config FILE
     python -m agent version
 
 The join token comes from MIRBAD_JOIN_TOKEN or an interactive prompt, never from argv,
@@ -17,7 +18,6 @@ import getpass
 import json
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -25,8 +25,10 @@ from agent._config import load_config, normalize_address
 from agent._enroll import join
 from agent._errors import AgentError, ConfigError
 from agent._install import install_llama_server
+from agent._leftovers import stop_recorded_engines
 from agent._run import configure_logging, run_agent
 from agent._version import PROTOCOL_VERSIONS, __version__
+from protocol.names import node_id_problem
 
 EXIT_CONFIG = 2
 
@@ -62,6 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     install.add_argument("--runtimes-dir", required=True, type=Path)
     install.add_argument("--cache-dir", type=Path, default=None)
 
+    leftovers = sub.add_parser(
+        "stop-engines",
+        help="stop the engines a stopped or killed agent left running (from its own records)",
+    )
+    leftovers.add_argument(
+        "--config",
+        default=os.environ.get("MIRBAD_AGENT_CONFIG"),
+        help="the agent's JSON config file (default: $MIRBAD_AGENT_CONFIG)",
+    )
+
     sub.add_parser("version", help="print the agent version")
     return parser
 
@@ -86,12 +98,9 @@ def _cmd_join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_CONFIG
-    if not re.match(r"^[a-z0-9][a-z0-9-]{0,39}$", args.node_id):
-        print(
-            f"agent: --node-id: {args.node_id!r} is not a valid node id; use lower-case letters, "
-            "digits and '-', starting with a letter or digit, at most 40 characters",
-            file=sys.stderr,
-        )
+    problem = node_id_problem(args.node_id)
+    if problem is not None:
+        print(f"agent: --node-id: {problem}", file=sys.stderr)
         return EXIT_CONFIG
     configure_logging("INFO")
     token = os.environ.get("MIRBAD_JOIN_TOKEN", "")
@@ -133,6 +142,20 @@ def _cmd_install(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stop_engines(args: argparse.Namespace) -> int:
+    """Prints the stopped pids as JSON; only for when that agent is gone."""
+    if not args.config:
+        print("agent: --config: no config file given; pass --config FILE", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        stopped = stop_recorded_engines(load_config(args.config))
+    except (AgentError, OSError) as exc:
+        print(f"agent: stop-engines: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({"stopped": stopped}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
@@ -141,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_join(args)
     if args.command == "install-llama-server":
         return _cmd_install(args)
+    if args.command == "stop-engines":
+        return _cmd_stop_engines(args)
     print(f"mirbad-agent {__version__} (protocol {', '.join(map(str, PROTOCOL_VERSIONS))})")
     return 0
 

@@ -26,7 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from agent._errors import ConfigError
-from agent._http_limits import HttpLimits
+from protocol.http_limits import HttpLimits
+from protocol.names import node_id_problem
 
 __all__ = [
     "ENV_PREFIX",
@@ -39,7 +40,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "MIRBAD_AGENT_"
-NODE_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 _EXECUTABLE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
@@ -82,9 +82,9 @@ class AgentConfig:
     gpus_expected: bool = False
     log_level: str = "INFO"
     # Extra environment variables this node's operator lets a launch set for its
-    # engines, beyond the engine's own allow-list (agent._engine_flags).
+    # engines, beyond the engine's own allow-list (protocol.engine_flags).
     engine_env_allow: tuple[str, ...] = ()
-    # The listener limits (agent._http_limits; docs/agent.md).
+    # The listener limits (protocol.http_limits; docs/agent.md).
     http_max_head_bytes: int = HttpLimits.max_head_bytes
     http_max_headers: int = HttpLimits.max_headers
     http_head_timeout_seconds: float = HttpLimits.head_timeout_seconds
@@ -100,7 +100,7 @@ class AgentConfig:
 
     @property
     def http_limits(self) -> HttpLimits:
-        """The listener limits as ``agent._http_limits`` takes them."""
+        """The listener limits as ``protocol.http_limits`` takes them."""
         return HttpLimits(
             max_head_bytes=self.http_max_head_bytes,
             max_headers=self.http_max_headers,
@@ -133,12 +133,7 @@ def env_name(key: str) -> str:
 
 def validate_node_id(value: str) -> str | None:
     """None when ``value`` is a valid node id, else what is wrong with it."""
-    if NODE_ID_RE.fullmatch(value):
-        return None
-    return (
-        f"{value!r} is not a valid node id; use 1 to 40 lower-case letters, digits and "
-        "'-', starting with a letter or digit"
-    )
+    return node_id_problem(value)
 
 
 def normalize_address(value: str, port: int) -> str:

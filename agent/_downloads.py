@@ -37,7 +37,6 @@ from typing import Any
 import aiohttp
 import psutil
 
-from agent._atomic import fsync_directory, write_atomic
 from agent._download_state import (
     ACTIVE,
     CANCELLED,
@@ -61,6 +60,7 @@ from agent._events import EventBus
 from agent._hubfetch import DownloadFailed, HubClient
 from agent._spec import check_folder_name, check_relative_name, confined_path
 from agent._util import iso_time
+from protocol.atomic import fsync_directory, write_atomic
 
 __all__ = ["MANIFEST_NAME", "PARTIAL_SUFFIX", "STATE_FILE", "DownloadManager"]
 

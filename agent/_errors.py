@@ -30,13 +30,13 @@ One tree, so callers can catch as broadly or narrowly as they need::
         +-- ServerBusy              503 server_busy
         +-- StateUnavailable        503 state_unavailable
 
-    WireError                       a request of the proxy hops' HTTP client failed (agent._wire)
+    WireError                       a request of the proxy hops' HTTP client failed (protocol.wire)
     +-- ConnectFailed               connect or TLS handshake failed: nothing was sent
     +-- ReadTimeout                 no byte for the idle timeout (also a TimeoutError)
     +-- Disconnected                closed or broken before the answer was complete
     +-- BadResponse                 the server's bytes are not HTTP/1.1
 
-WireError is not an AgentError: it is a transport failure the caller turns into its own
+WireError (defined in protocol.errors) is not an AgentError: it is a transport failure the caller turns into its own
 answer (the agent's proxy into 502 upstream_unavailable, the router into node_unreachable).
 
 Each ApiError subclass carries the code and HTTP status from the contract table in
@@ -47,9 +47,26 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-# Marks an answer as the agent's own error (its code as the value); an engine's
-# errors pass through the proxy without it, so the master's router tells them apart.
-ERROR_HEADER = "x-mirbad-agent-error"
+from protocol.errors import (
+    ERROR_HEADER,
+    AgentCode,
+    BadResponse,
+    ConnectFailed,
+    Disconnected,
+    ReadTimeout,
+    WireError,
+)
+
+# The wire errors and the error header belong to the protocol package (both sides read
+# them); they are re-exported here so the agent's tree above stays whole in one place.
+__all__ = [
+    "ERROR_HEADER",
+    "BadResponse",
+    "ConnectFailed",
+    "Disconnected",
+    "ReadTimeout",
+    "WireError",
+]
 
 
 class AgentError(Exception):
@@ -119,105 +136,85 @@ class ApiError(AgentError):
 
 
 class InvalidRequest(ApiError):
-    code = "invalid_request"
+    code = AgentCode.INVALID_REQUEST
     status = 400
 
 
 class ClientNotMaster(ApiError):
-    code = "client_not_master"
+    code = AgentCode.CLIENT_NOT_MASTER
     status = 403
 
 
 class NotFound(ApiError):
-    code = "not_found"
+    code = AgentCode.NOT_FOUND
     status = 404
 
 
 class MethodNotAllowed(ApiError):
-    code = "method_not_allowed"
+    code = AgentCode.METHOD_NOT_ALLOWED
     status = 405
 
 
 class Conflict(ApiError):
-    code = "conflict"
+    code = AgentCode.CONFLICT
     status = 409
 
 
 class SpecRejected(ApiError):
-    code = "spec_rejected"
+    code = AgentCode.SPEC_REJECTED
     status = 422
 
 
 class ExecutableUnverified(ApiError):
-    code = "executable_unverified"
+    code = AgentCode.EXECUTABLE_UNVERIFIED
     status = 422
 
 
 class UpstreamUnavailable(ApiError):
-    code = "upstream_unavailable"
+    code = AgentCode.UPSTREAM_UNAVAILABLE
     status = 502
 
 
 class ModelNotRunning(ApiError):
-    code = "model_not_running"
+    code = AgentCode.MODEL_NOT_RUNNING
     status = 503
 
 
 class ServerBusy(ApiError):
-    code = "server_busy"
+    code = AgentCode.SERVER_BUSY
     status = 503
 
 
 class StateUnavailable(ApiError):
-    code = "state_unavailable"
+    code = AgentCode.STATE_UNAVAILABLE
     status = 503
 
 
 class DownloadRunning(Conflict):
-    code = "download_running"
+    code = AgentCode.DOWNLOAD_RUNNING
 
 
 class FolderExists(Conflict):
-    code = "folder_exists"
+    code = AgentCode.FOLDER_EXISTS
 
 
 class InsufficientDisk(Conflict):
-    code = "insufficient_disk"
+    code = AgentCode.INSUFFICIENT_DISK
 
 
 class NotFetched(Conflict):
-    code = "not_fetched"
+    code = AgentCode.NOT_FETCHED
 
 
 class FolderInUse(Conflict):
-    code = "folder_in_use"
+    code = AgentCode.FOLDER_IN_USE
 
 
 class NothingToDownload(ApiError):
-    code = "nothing_to_download"
+    code = AgentCode.NOTHING_TO_DOWNLOAD
     status = 422
 
 
 class NotSupported(ApiError):
-    code = "not_supported"
+    code = AgentCode.NOT_SUPPORTED
     status = 501
-
-
-class WireError(Exception):
-    """A request of the proxy hops' HTTP client (agent._wire) failed."""
-
-
-class ConnectFailed(WireError):
-    """The connection (or its TLS handshake) failed: the server received nothing."""
-
-
-class ReadTimeout(WireError, TimeoutError):
-    """The server sent nothing for the idle timeout."""
-
-
-class Disconnected(WireError):
-    """The server closed or broke the connection before the answer was complete."""
-
-
-class BadResponse(WireError):
-    """The server's bytes are not HTTP/1.1."""

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent._atomic import write_atomic
 from agent._config import ExecutableEntry
 from agent._errors import ExecutableUnverified, SpecRejected
+from protocol.atomic import write_atomic
 
 __all__ = [
     "MANIFEST_NAME",

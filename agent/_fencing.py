@@ -18,72 +18,47 @@ import asyncio
 import datetime as dt
 import json
 import logging
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent._atomic import write_atomic
 from agent._errors import ApiError, InvalidRequest, StateUnavailable
+from protocol import fencing
+from protocol.atomic import write_atomic
+from protocol.errors import AgentCode
+from protocol.fencing import MAX_SKEW_SECONDS, Triple
 
 log = logging.getLogger("mirbad.agent.fencing")
 
-MASTER_HEADER = "MirbadLLM-Master"
-TIME_HEADER = "MirbadLLM-Request-Time"
-MAX_SKEW_SECONDS = 300.0
 FILE_NAME = "fencing.json"
-_TRIPLE = re.compile(r"^([A-Za-z0-9-]{1,64})/(\d{1,18})/([A-Za-z0-9-]{1,64})$")
 
 
 class StaleMaster(ApiError):
-    code = "stale_master"
+    code = AgentCode.STALE_MASTER
     status = 409
 
 
 class CompetingMaster(ApiError):
-    code = "competing_master"
+    code = AgentCode.COMPETING_MASTER
     status = 409
 
 
 class ClockSkew(ApiError):
-    code = "clock_skew"
+    code = AgentCode.CLOCK_SKEW
     status = 400
 
 
-@dataclass(frozen=True)
-class Triple:
-    instance_id: str
-    epoch: int
-    boot_id: str
-
-    def header(self) -> str:
-        return f"{self.instance_id}/{self.epoch}/{self.boot_id}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"instanceId": self.instance_id, "epoch": self.epoch, "bootId": self.boot_id}
-
-
 def parse_triple(value: str | None) -> Triple:
-    if not value:
-        raise InvalidRequest(
-            f"{MASTER_HEADER} is required on mutating requests ({{instance}}/{{epoch}}/{{boot}})"
-        )
-    match = _TRIPLE.match(value.strip())
-    if match is None:
-        raise InvalidRequest(f"{MASTER_HEADER}: {value!r} is not {{instance}}/{{epoch}}/{{boot}}")
-    return Triple(match.group(1), int(match.group(2)), match.group(3))
+    try:
+        return fencing.parse_triple(value)
+    except fencing.FencingHeaderError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def parse_time(value: str | None) -> dt.datetime:
-    if not value:
-        raise InvalidRequest(f"{TIME_HEADER} is required on mutating requests (ISO 8601, UTC)")
     try:
-        moment = dt.datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise InvalidRequest(f"{TIME_HEADER}: {value!r} is not an ISO 8601 time") from None
-    if moment.tzinfo is None:
-        raise InvalidRequest(f"{TIME_HEADER}: {value!r} has no time zone")
-    return moment
+        return fencing.parse_time(value)
+    except fencing.FencingHeaderError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 class Fencing:
@@ -97,7 +72,7 @@ class Fencing:
     def _load(self) -> Triple | None:
         try:
             data = json.loads(self.path.read_text())
-            return Triple(str(data["instanceId"]), int(data["epoch"]), str(data["bootId"]))
+            return Triple.from_json(data)
         except FileNotFoundError:
             return None
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -119,19 +94,19 @@ class Fencing:
             )
         async with self._lock:
             current = self.accepted
-            if current is not None:
-                if triple.epoch < current.epoch:
-                    raise StaleMaster(
-                        f"epoch {triple.epoch} is below the accepted epoch {current.epoch} "
-                        f"(master {current.instance_id}); this master is stale"
-                    )
-                if triple.epoch == current.epoch and triple != current:
-                    raise CompetingMaster(
-                        f"epoch {triple.epoch} is already held by master "
-                        f"{current.instance_id} boot {current.boot_id}"
-                    )
-                if triple == current:
-                    return False
+            judged = fencing.verdict(current, triple)
+            if judged == "same":
+                return False
+            if current is not None and judged == "stale":
+                raise StaleMaster(
+                    f"epoch {triple.epoch} is below the accepted epoch {current.epoch} "
+                    f"(master {current.instance_id}); this master is stale"
+                )
+            if current is not None and judged == "competing":
+                raise CompetingMaster(
+                    f"epoch {triple.epoch} is already held by master "
+                    f"{current.instance_id} boot {current.boot_id}"
+                )
             try:
                 write_atomic(self.path, json.dumps(triple.to_json()).encode(), mode=0o600)
             except OSError as exc:

@@ -15,7 +15,7 @@ connection starts on ``ProxyFront``, which parses with httptools:
 
 The master's client certificate is checked for proxy requests here as the middleware
 checks it for the rest (one verdict per TLS connection, shared). The listener limits
-(``agent._http_limits``: head size and header count, head and body deadlines, open
+(``protocol.http_limits``: head size and header count, head and body deadlines, open
 connections) apply here to every connection, and go on applying after a hand-off,
 through a ``GuardedProtocol`` in front of aiohttp's. Pipelined requests
 are not served on this path: the connection closes after the answer in progress, and
@@ -43,7 +43,9 @@ from agent._errors import (
     UpstreamUnavailable,
     WireError,
 )
-from agent._http_limits import (
+from agent._identity import handshake_refusal
+from agent._proxy import Proxy, Upstream, request_headers, response_headers, split_target
+from protocol.http_limits import (
     KEEPALIVE_SECONDS,
     ConnectionGate,
     GuardedProtocol,
@@ -52,9 +54,7 @@ from agent._http_limits import (
     Refused,
     answer_and_close,
 )
-from agent._identity import handshake_refusal
-from agent._proxy import Proxy, Upstream, request_headers, response_headers, split_target
-from agent._wire import WireResponse
+from protocol.wire import WireResponse
 
 __all__ = ["FrontListener", "ProxyFront"]
 

@@ -22,6 +22,7 @@ from typing import Any
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from agent._errors import ApiError
+from protocol.errors import AgentCode
 
 MAGIC = b"GGUF"
 MAX_KV = 100_000
@@ -49,7 +50,7 @@ _KEEP_ARRAYS = ("tokenizer.ggml.tokens",)
 
 
 class GgufInvalid(ApiError):
-    code = "gguf_invalid"
+    code = AgentCode.GGUF_INVALID
     status = 422
 
 

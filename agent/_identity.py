@@ -10,9 +10,7 @@ same CA. A handshake the listener refuses still sends its TLS alert
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import hashlib
 import os
 import ssl
 from dataclasses import dataclass
@@ -25,14 +23,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agent._atomic import fsync_directory, write_atomic
 from agent._errors import ClientNotMaster, IdentityError
+from protocol.atomic import fsync_directory, write_atomic
+from protocol.identity import (
+    MASTER_SPIFFE_ID,
+    NODE_SPIFFE_PREFIX,
+    node_spiffe_id,
+    spki_sha256,
+    uri_sans,
+)
 
 __all__ = [
     "CA_FILE",
     "CERT_FILE",
     "KEY_FILE",
-    "MASTER_SPIFFE_ID",
     "Identity",
     "check_master_client_cert",
     "ensure_state_directory",
@@ -41,23 +45,15 @@ __all__ = [
     "has_identity",
     "load_identity",
     "node_id_from_cert",
-    "node_spiffe_id",
     "server_ssl_context",
-    "spki_sha256",
     "store_identity",
     "validate_issued_cert",
 ]
 
-MASTER_SPIFFE_ID = "spiffe://mirbadllm/master"
-_NODE_PREFIX = "spiffe://mirbadllm/node/"
+_NODE_PREFIX = NODE_SPIFFE_PREFIX
 KEY_FILE = "agent.key"
 CERT_FILE = "agent.crt"
 CA_FILE = "ca.crt"
-
-
-def node_spiffe_id(node_id: str) -> str:
-    """The URI SAN a node certificate carries."""
-    return _NODE_PREFIX + node_id
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,33 +78,9 @@ def ensure_state_directory(state_dir: Path) -> None:
     os.chmod(state_dir, 0o700)
 
 
-def spki_sha256(cert: x509.Certificate | bytes) -> str:
-    """Base64 (standard) of SHA-256 over the DER SubjectPublicKeyInfo: the pin format."""
-    if isinstance(cert, bytes):
-        cert = _parse_cert(cert)
-    spki = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return base64.b64encode(hashlib.sha256(spki).digest()).decode("ascii")
-
-
-def _parse_cert(data: bytes) -> x509.Certificate:
-    if data.lstrip().startswith(b"-----BEGIN"):
-        return x509.load_pem_x509_certificate(data)
-    return x509.load_der_x509_certificate(data)
-
-
-def _uri_sans(cert: x509.Certificate) -> list[str]:
-    try:
-        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except x509.ExtensionNotFound:
-        return []
-    return list(ext.value.get_values_for_type(x509.UniformResourceIdentifier))
-
-
 def node_id_from_cert(cert: x509.Certificate) -> str:
     """The node id in a node certificate's single ``spiffe://mirbadllm/node/...`` URI SAN."""
-    uris = _uri_sans(cert)
+    uris = uri_sans(cert)
     if len(uris) != 1 or not uris[0].startswith(_NODE_PREFIX):
         raise IdentityError(
             f"The agent certificate must carry exactly one URI SAN {_NODE_PREFIX}<nodeId>; "
@@ -332,7 +304,7 @@ def check_master_client_cert(der: bytes | None) -> None:
         raise ClientNotMaster("the client certificate has no extended key usage") from None
     if ExtendedKeyUsageOID.CLIENT_AUTH not in eku:
         raise ClientNotMaster("the client certificate lacks EKU clientAuth")
-    uris = _uri_sans(cert)
+    uris = uri_sans(cert)
     if len(uris) != 1:
         raise ClientNotMaster(
             f"the client certificate has {len(uris)} URI SANs; the master's has exactly one"

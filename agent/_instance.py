@@ -13,6 +13,7 @@ from agent._executables import ExecutableInfo
 from agent._measure import Measured
 from agent._spec import LaunchSpec, fingerprint
 from agent._util import iso_time
+from protocol.states import InstanceState
 
 __all__ = [
     "FAILED",
@@ -27,7 +28,12 @@ __all__ = [
     "Instance",
 ]
 
-STARTING, READY, FAILED, STOPPED = "Starting", "Ready", "Failed", "Stopped"
+STARTING, READY, FAILED, STOPPED = (
+    InstanceState.STARTING,
+    InstanceState.READY,
+    InstanceState.FAILED,
+    InstanceState.STOPPED,
+)
 PROCESSES_FILE = "processes.json"
 GONE_ERROR = "The engine was gone after the agent restarted."
 PENDING_ERROR = "The agent restarted while it was starting the engine."

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent._atomic import write_atomic
 from agent._errors import Conflict, InvalidRequest, StateUnavailable
+from protocol.atomic import write_atomic
 
 log = logging.getLogger("mirbad.agent.oplog")
 

@@ -53,7 +53,6 @@ import aiohttp
 import psutil
 
 from agent._adoption import Adoption
-from agent._atomic import write_atomic
 from agent._config import AgentConfig
 from agent._describe import GpuProbe, GpuSampler
 from agent._engine import (
@@ -90,6 +89,7 @@ from agent._spec import (
     resolve_model_path,
     substitute,
 )
+from protocol.atomic import write_atomic
 
 __all__ = ["GONE_ERROR", "PENDING_STOPPED_ERROR", "Instance", "Measured", "ProcessRuntime"]
 

@@ -4,7 +4,7 @@ Nothing is buffered: the request body is forwarded as it arrives and every respo
 chunk is written to the client as soon as the engine sends it, which is what makes
 token streaming (SSE) work end to end. The client's Authorization is replaced by the
 instance's own key, so a caller never needs (or learns) it. The lean wire client
-(``agent._wire``, D29) keeps connections to the engines pooled across requests.
+(``protocol.wire``, D29) keeps connections to the engines pooled across requests.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from agent._errors import ReadTimeout, ServerBusy, UpstreamUnavailable, WireError
-from agent._wire import WirePool, WireResponse
+from protocol.wire import WirePool, WireResponse
 
 __all__ = ["Proxy", "Upstream", "engine_slots", "request_headers", "response_headers"]
 

@@ -34,10 +34,9 @@ from agent._errors import (
 )
 from agent._events import EventBus
 from agent._executables import Catalogue
-from agent._fencing import MASTER_HEADER, TIME_HEADER, Fencing
+from agent._fencing import Fencing
 from agent._front import FrontListener
 from agent._gguf import is_model_file, read_summary
-from agent._http_limits import aiohttp_handler_limits
 from agent._identity import (
     Identity,
     check_master_client_cert,
@@ -48,11 +47,13 @@ from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
 from agent._process import ProcessRuntime
 from agent._proxy import Proxy, Upstream, engine_slots
 from agent._refusals import RefusalLog
-from agent._spec import FOLDER_RE, resolve_model_path
+from agent._spec import check_folder_name, resolve_model_path
 from agent._telemetry import HealthMonitor, Telemetry, host_facts
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
 from agent._weights import Weights
+from protocol.fencing import MASTER_HEADER, TIME_HEADER
+from protocol.http_limits import aiohttp_handler_limits
 
 __all__ = ["ERROR_HEADER", "AgentServer", "error_middleware"]
 
@@ -416,8 +417,7 @@ class AgentServer:
         file = request.query.get("file")
         root = self.config.models_root_path
         if file is None:
-            if not FOLDER_RE.fullmatch(folder) or folder in (".", ".."):
-                raise InvalidRequest(f"folder {folder!r} must match ^[A-Za-z0-9._-]{{1,200}}$")
+            check_folder_name(folder)
             directory = root / folder
             if not directory.is_dir():
                 raise NotFound(f"model folder {folder!r} does not exist on this node")

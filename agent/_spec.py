@@ -1,7 +1,7 @@
 """Launch specs: parsing, guardrails, model path confinement and the fingerprint.
 
 The master builds every argv; the agent still checks every token of it against the
-engine's flag allow-list (agent._engine_flags), so a spec cannot listen anywhere but
+engine's flag allow-list (protocol.engine_flags), so a spec cannot listen anywhere but
 loopback, on a port the agent did not pick, start a process, enable a tool or read a
 file; and it refuses a model file outside the models root. A malformed body is 400
 invalid_request; a well-formed spec that breaks a rule is 422 spec_rejected. Both name
@@ -17,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from agent._engine_flags import (
+from agent._errors import InvalidRequest, SpecRejected
+from protocol import names
+from protocol.engine_flags import (
     MODEL_PLACEHOLDER,
     PORT_PLACEHOLDER,
     FlagRefused,
     check_engine_argv,
     check_engine_env,
 )
-from agent._errors import InvalidRequest, SpecRejected
 
 __all__ = [
     "GPU_UUID_RE",
@@ -41,8 +42,8 @@ __all__ = [
     "substitute",
 ]
 
-INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-FOLDER_RE = re.compile(r"^[A-Za-z0-9._-]{1,200}$")
+INSTANCE_ID_RE = names.INSTANCE_ID_RE
+FOLDER_RE = names.FOLDER_RE
 # GPU pinning (gpuUuids). A MIG instance has its own MIG-... UUID. Commas never match:
 # the UUIDs are joined with commas into CUDA_VISIBLE_DEVICES.
 GPU_UUID_RE = re.compile(r"^(?:GPU-[0-9a-fA-F-]{8,64}|MIG-[0-9A-Za-z-]{8,64})$")
@@ -191,7 +192,7 @@ def check_args(args: tuple[str, ...], version: str | None = None) -> str:
     """Check the whole argv against the engine's allow-list; returns the ``--alias`` value.
 
     ``version`` is the executable's (None: the newest allow-list). Every token must be
-    an allowed flag or its value (agent._engine_flags, the list the master checks
+    an allowed flag or its value (protocol.engine_flags, the list the master checks
     extra args against too), so a spec that bypasses the master's builder still
     cannot start a process, read a file or listen anywhere but loopback.
     """
@@ -208,7 +209,7 @@ def check_env(
     version: str | None = None,
     node_allows: tuple[str, ...] = (),
 ) -> None:
-    """Check the engine's extra environment against its allow-list (agent._engine_flags).
+    """Check the engine's extra environment against its allow-list (protocol.engine_flags).
 
     An allow-list, as for argv: the loader's variables (LD_*), llama-server's
     LLAMA_ARG_* (read as flags) and anything that names a file stay out because they
@@ -234,10 +235,10 @@ def resolve_model_path(models_root: Path, folder: str, file: str) -> Path:
     Symlinks are followed and the result must still lie inside the resolved root,
     compared by path components (``/srv/models2`` is not inside ``/srv/models``).
     """
-    if not FOLDER_RE.fullmatch(folder) or folder in (".", ".."):
-        raise SpecRejected(
-            f"model.folder {folder!r} must match ^[A-Za-z0-9._-]{{1,200}}$ and not be . or .."
-        )
+    try:
+        names.check_folder_name(folder, "model.folder")
+    except names.NameRefused as exc:
+        raise SpecRejected(str(exc)) from None
     if file in (".", "..") or "/" in file or "\\" in file or "\x00" in file or len(file) > 255:
         raise SpecRejected(f"model.file {file!r} must be a plain file name")
     try:
@@ -264,15 +265,12 @@ def resolve_model_path(models_root: Path, folder: str, file: str) -> Path:
 def check_folder_name(folder: object, field: str = "folder") -> str:
     """``folder`` if it is a valid model folder name; else 400 invalid_request naming ``field``.
 
-    The same rule as ``model.folder`` of a launch: ``^[A-Za-z0-9._-]{1,200}$`` and not
-    ``.`` or ``..`` (both match the character class, and both name a directory that is
-    not a model folder).
+    The rule is protocol.names.check_folder_name, the one the master's API applies too.
     """
-    if not isinstance(folder, str) or not FOLDER_RE.fullmatch(folder) or folder in (".", ".."):
-        raise InvalidRequest(
-            f"{field} {folder!r} must match ^[A-Za-z0-9._-]{{1,200}}$ and not be . or .."
-        )
-    return folder
+    try:
+        return names.check_folder_name(folder, field)
+    except names.NameRefused as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def check_relative_name(name: object, where: str) -> PurePosixPath:

@@ -1,4 +1,7 @@
-"""The agent's version and the protocol versions of docs/agent-api.md it speaks."""
+"""The agent's version; the protocol versions it speaks are protocol.versions'."""
+
+from protocol.versions import PROTOCOL_VERSIONS
+
+__all__ = ["PROTOCOL_VERSIONS", "__version__"]
 
 __version__ = "0.1.0"
-PROTOCOL_VERSIONS: tuple[int, ...] = (1,)

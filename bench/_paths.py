@@ -48,8 +48,8 @@ class MirbadStack:
         return f"http://127.0.0.1:{self.port}"
 
     def prepare(self) -> None:
-        from agent import write_tiny_gguf
         from agent._executables import write_manifest
+        from protocol.tinygguf import write_tiny_gguf
 
         self.data.mkdir(mode=0o700)
         folder = self.data / "agent" / "runtimes" / "llama.cpp" / STUB_VERSION

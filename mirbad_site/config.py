@@ -28,9 +28,9 @@ from mirbad_site.envconf import (
 )
 
 if TYPE_CHECKING:
-    from agent import HttpLimits
+    from protocol.http_limits import HttpLimits
 
-NODE_ID_PATTERN = r"^[a-z0-9][a-z0-9-]{0,39}$"
+from protocol.names import NODE_ID_RE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +69,7 @@ class MasterConfig:
         """The listener limits as the shared rules take them."""
         # Imported here: ``agent`` costs about a second to import, and only the two
         # listeners (which import it anyway) ask for this.
-        from agent import HttpLimits
+        from protocol.http_limits import HttpLimits
 
         return HttpLimits(
             max_head_bytes=self.http_max_head_bytes,
@@ -123,10 +123,8 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
     redis_env = env_url("MIRBAD_REDIS_URL", None, schemes=("redis", "rediss", "unix"), env=env)
     redis_embedded = redis_env is None
     redis_url = redis_env or f"unix://{embedded_redis_socket(data_path)}"
-    import re
-
     node_id = env_str("MIRBAD_BOOTSTRAP_NODE_ID", "local", env=env)
-    if not re.match(NODE_ID_PATTERN, node_id):
+    if not NODE_ID_RE.fullmatch(node_id):
         raise SettingError(
             f"MIRBAD_BOOTSTRAP_NODE_ID: {node_id!r} is not a valid node id; use lower-case "
             "letters, digits and '-', starting with a letter or digit, at most 40 characters."
@@ -201,12 +199,12 @@ def load_secret_key(data_path: Path, env: Mapping[str, str] | None = None) -> st
         return path.read_text(encoding="utf-8").strip()
     except FileNotFoundError:
         pass
-    from mirbad_site.atomic import write_atomic
+    from protocol.atomic import write_atomic
 
     data_path.mkdir(parents=True, exist_ok=True, mode=0o700)
     key = secrets.token_urlsafe(48)
     try:
-        write_atomic(path, key.encode(), mode=0o600, exclusive=True)
+        write_atomic(path, key.encode(), mode=0o600, exclusive=True, parents=True)
     except FileExistsError:
         return path.read_text(encoding="utf-8").strip()
     return key

@@ -5,7 +5,7 @@ uvicorn's httptools protocol bounds neither the size nor the number of header li
 or body, and no cap on connections (``--limit-concurrency`` answers 503 to every
 *request*, on old connections too, once that many connections are open, so a few
 hundred idle sockets would turn away the operator's own requests). This subclass
-applies the rules of ``agent._http_limits`` (docs/operator-guide.md, "Limits") to
+applies the rules of ``protocol.http_limits`` (docs/operator-guide.md, "Limits") to
 every connection; select it with
 ``uvicorn --http mirbad_site.http_limits:LimitedHttpToolsProtocol``.
 
@@ -21,7 +21,7 @@ from typing import ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from agent import HeadGuard, HttpLimits, Refused, answer_and_close
+from protocol.http_limits import HeadGuard, HttpLimits, Refused, answer_and_close
 
 __all__ = ["LimitedHttpToolsProtocol"]
 

@@ -31,9 +31,9 @@ from types import FrameType
 from typing import Any
 
 from mirbad_site import stack_lock, supervision
-from mirbad_site.atomic import write_atomic
 from mirbad_site.config import MasterConfig, env_for_children, load_master_config
 from mirbad_site.envconf import SettingError
+from protocol.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 120.0
@@ -85,7 +85,10 @@ class Launcher:
         child.start(self.env, keep_fds=(self._lock_fd,) if self._lock_fd is not None else ())
         self.config.run_dir.mkdir(parents=True, exist_ok=True)
         write_atomic(
-            self.config.run_dir / f"{child.name}.pid", str(child.record.pid).encode(), mode=0o644
+            self.config.run_dir / f"{child.name}.pid",
+            str(child.record.pid).encode(),
+            mode=0o644,
+            parents=True,
         )
         self._write_status()
 
@@ -187,7 +190,7 @@ class Launcher:
             name="local (mirbad up)",
             scopes=["chat", "completions", "embeddings", "rerank", "admin"],
         )
-        write_atomic(path, key.encode(), mode=0o600)
+        write_atomic(path, key.encode(), mode=0o600, parents=True)
         return key
 
     def agent_config(self) -> Path:
@@ -218,7 +221,7 @@ class Launcher:
             "StopInstancesOnShutdown": True,
         }
         path = self.agent_dir / "agent.json"
-        write_atomic(path, json.dumps(config, indent=2).encode(), mode=0o600)
+        write_atomic(path, json.dumps(config, indent=2).encode(), mode=0o600, parents=True)
         (cfg.data_path / "models").mkdir(parents=True, exist_ok=True)
         return path
 
@@ -341,9 +344,9 @@ class Launcher:
 
     def demo_model(self) -> str:
         """Write the tiny GGUF, define ``demo`` on the local node, start it, wait for Ready."""
-        from agent import write_tiny_gguf
         from models_registry import lifecycle, services
         from models_registry.models import ModelDefinition
+        from protocol.tinygguf import write_tiny_gguf
 
         folder = self.config.data_path / "models" / "demo"
         target = folder / "demo.gguf"
@@ -426,14 +429,28 @@ class Launcher:
             self._lock_fd = None
 
     def _stop_left_engines(self) -> None:
-        """Engines a killed agent could not stop, found from its own records."""
-        from agent import AgentError, load_config, stop_recorded_engines
+        """Engines a killed agent could not stop, found from its own records.
 
+        The agent's own command does it (``python -m agent stop-engines``): the master's
+        processes never import the agent package (docs/architecture.md, "Layers").
+        """
         path = self.agent_dir / "agent.json"
         try:
-            stopped = stop_recorded_engines(load_config(path, environ=self.env))
-        except (AgentError, OSError) as exc:
+            done = subprocess.run(
+                [sys.executable, "-m", "agent", "stop-engines", "--config", str(path)],
+                env=self.env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            stopped = json.loads(done.stdout)["stopped"] if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as exc:
             note(f"could not check for engines the agent left running: {exc}")
+            return
+        if stopped is None:
+            note(f"could not check for engines the agent left running: {done.stderr.strip()}")
             return
         if stopped:
             note(f"stopped {len(stopped)} engine(s) the agent left running: pids {stopped}")

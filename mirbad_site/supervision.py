@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from mirbad_site.atomic import write_atomic
+from protocol.atomic import write_atomic
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
@@ -85,7 +85,9 @@ def write_status(run_dir: Path, launcher_pid: int, children: dict[str, ChildReco
         "updatedAt": time.time(),
         "children": {name: record.to_json() for name, record in children.items()},
     }
-    write_atomic(run_dir / STATUS_FILE, json.dumps(body, indent=1).encode(), mode=0o644)
+    write_atomic(
+        run_dir / STATUS_FILE, json.dumps(body, indent=1).encode(), mode=0o644, parents=True
+    )
 
 
 def clear_status(run_dir: Path) -> None:

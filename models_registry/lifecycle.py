@@ -34,10 +34,10 @@ from nodes import fencing, status_cache
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.models import Node
 from nodes.states import SERVING
+from protocol.errors import AgentCode
+from protocol.states import ACTIVE, InstanceState
 
 log = logging.getLogger("mirbad.models")
-
-ACTIVE = ("Starting", "Ready")
 
 
 # -- launch specs and fingerprints ------------------------------------------------------
@@ -128,7 +128,7 @@ def agent_error(node: Node, exc: Exception) -> ServiceError:
     if isinstance(exc, AgentUnreachable):
         return ServiceError(503, "node_unreachable", str(exc))  # it names the node
     assert isinstance(exc, AgentRefused)
-    if exc.code in ("stale_master", "competing_master"):
+    if exc.code in (AgentCode.STALE_MASTER, AgentCode.COMPETING_MASTER):
         # Another master drives this node: it is not serving us (PendingTakeover).
         return ServiceError(
             503,
@@ -215,7 +215,7 @@ def starting_budgets(status: dict[str, Any] | None, *, skip: str) -> dict[str | 
     """Budgets of the node's instances still Starting (not allocated yet), by GPU or host."""
     out: dict[str | None, int] = {}
     for inst in ((status or {}).get("instances") or {}).values():
-        if inst.get("state") != "Starting" or inst.get("instanceId") == skip:
+        if inst.get("state") != InstanceState.STARTING or inst.get("instanceId") == skip:
             continue
         budget = _budget_of(inst.get("modelId"))
         uuids = inst.get("gpuUuids") or [None]
@@ -328,7 +328,7 @@ def _stop(placement: Placement) -> dict[str, Any] | None:
         with AgentClient(node=placement.node) as client:
             return client.stop(placement.instance_id)
     except AgentRefused as exc:
-        if exc.code == "not_found":
+        if exc.code == AgentCode.NOT_FOUND:
             return None  # never launched there: already stopped
         raise agent_error(placement.node, exc) from exc
     except AgentUnreachable as exc:
@@ -391,7 +391,7 @@ def autostart_node(node_id: str) -> list[dict[str, Any]]:
     )
     for placement in placements.order_by("model__served_name"):
         inst = instances.get(placement.instance_id)
-        if inst is not None and inst.get("state") != "Stopped":
+        if inst is not None and inst.get("state") != InstanceState.STOPPED:
             continue
         model = placement.model
         try:

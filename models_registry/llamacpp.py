@@ -3,7 +3,7 @@
 The master's builder is the only code that builds llama-server's argv. The
 argv order is fixed so the execution fingerprint is stable: the same settings
 always give the same argv, byte for byte. Extra args and the chat template are
-checked against the engine's flag allow-list (agent._engine_flags, which the
+checked against the engine's flag allow-list (protocol.engine_flags, which the
 agent checks every launch against again): only the operator flags it names,
 each with a value of its shape. A flag that is a typed setting or set by the
 system is refused in extra args (llama-server takes the last value of a
@@ -17,7 +17,8 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from agent import (
+from mirbad_site.errors import ServiceError
+from protocol.engine_flags import (
     LOOPBACK,
     MODEL_PLACEHOLDER,
     PORT_PLACEHOLDER,
@@ -25,7 +26,6 @@ from agent import (
     check_chat_template,
     check_extra_args,
 )
-from mirbad_site.errors import ServiceError
 
 ENGINE = "llamacpp"
 

@@ -21,6 +21,7 @@ from nodes import status_cache
 from nodes.agent_client import check_folder
 from nodes.models import Node
 from nodes.states import SERVING
+from protocol.states import InstanceState
 
 log = logging.getLogger("mirbad.models")
 
@@ -249,7 +250,12 @@ def model_state(
     if not placements:
         return {"state": "Unplaced", "nodeId": None, "error": None}
     best: dict[str, Any] | None = None
-    order = {"Ready": 0, "Starting": 1, "Failed": 2, "Stopped": 3}
+    order = {
+        InstanceState.READY: 0,
+        InstanceState.STARTING: 1,
+        InstanceState.FAILED: 2,
+        InstanceState.STOPPED: 3,
+    }
     for placement in placements:
         node_id = placement.node.node_id
         status = statuses.get(node_id)

@@ -22,14 +22,11 @@ from urllib.parse import quote
 import httpx
 from django.conf import settings
 
-from agent import InvalidRequest
-from agent._spec import check_folder_name
 from mirbad_site.errors import ServiceError
 from nodes import fencing
 from nodes.models import Node
 from nodes.services import node_ssl_context
-
-PROTOCOL_VERSIONS = (1,)
+from protocol.names import NameRefused, check_folder_name
 
 
 class AgentError(Exception):
@@ -60,14 +57,14 @@ class AgentRefused(AgentError):
 def check_folder(folder: object, field: str = "folder") -> str:
     """``folder`` if the agent takes it as a model folder name, else a 400 naming ``field``.
 
-    The agent's own rule (``agent._spec.check_folder_name``), so the master's API refuses
+    The agent's own rule (``protocol.names.check_folder_name``), so the master's API refuses
     exactly what the agent would, before it picks a node or sends anything.
     """
     try:
         # The agent's message starts with what it is given; the master's say "field: ...".
         return check_folder_name(folder, f"{field}:")
-    except InvalidRequest as exc:
-        raise ServiceError(400, "invalid_request", exc.message, details={"field": field}) from None
+    except NameRefused as exc:
+        raise ServiceError(400, "invalid_request", str(exc), details={"field": field}) from None
 
 
 def path_segment(value: str) -> str:

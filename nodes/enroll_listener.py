@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 from asgiref.sync import sync_to_async
 
-from agent import ConnectionGate, GuardedProtocol, HttpLimits, aiohttp_handler_limits
 from nodes import pki, services
+from protocol.http_limits import ConnectionGate, GuardedProtocol, HttpLimits, aiohttp_handler_limits
 
 log = logging.getLogger("mirbad.enroll")
 

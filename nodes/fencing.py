@@ -17,33 +17,21 @@ import secrets
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from mirbad_site.atomic import write_atomic
+from protocol.atomic import write_atomic
+from protocol.fencing import MASTER_HEADER, TIME_HEADER, Triple, verdict
 
 log = logging.getLogger("mirbad.fencing")
-
-MASTER_HEADER = "MirbadLLM-Master"
-TIME_HEADER = "MirbadLLM-Request-Time"
 
 
 class FencingError(Exception):
     """master.json is missing or unreadable; the message says what to do."""
 
 
-@dataclass(frozen=True)
-class MasterIdentity:
-    instance_id: str
-    epoch: int
-    boot_id: str
-
-    def header(self) -> str:
-        return f"{self.instance_id}/{self.epoch}/{self.boot_id}"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"instanceId": self.instance_id, "epoch": self.epoch, "bootId": self.boot_id}
+# The master's identity is the fencing triple it sends (protocol.fencing).
+MasterIdentity = Triple
 
 
 def _path(data_path: Path) -> Path:
@@ -65,7 +53,7 @@ def read_identity(data_path: Path) -> MasterIdentity | None:
         return hit[1]
     try:
         data = json.loads(path.read_text())
-        identity = MasterIdentity(str(data["instanceId"]), int(data["epoch"]), str(data["bootId"]))
+        identity = Triple.from_json(data)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise FencingError(f"{path} is unreadable ({exc}); restore it from a backup") from exc
     _cache[str(path)] = (mtime, identity)
@@ -78,7 +66,12 @@ def begin_epoch(data_path: Path, *, at_least: int = 0) -> MasterIdentity:
     instance_id = current.instance_id if current else uuid.uuid4().hex[:16]
     epoch = max((current.epoch + 1) if current else 1, at_least)
     identity = MasterIdentity(instance_id, epoch, secrets.token_hex(8))
-    write_atomic(_path(data_path), json.dumps(identity.to_json(), indent=2).encode(), mode=0o600)
+    write_atomic(
+        _path(data_path),
+        json.dumps(identity.to_json(), indent=2).encode(),
+        mode=0o600,
+        parents=True,
+    )
     log.info(
         "Master identity %s: boot %s at epoch %d (data path %s).",
         instance_id,
@@ -106,13 +99,10 @@ def outranks(agent_triple: dict[str, Any] | None, identity: MasterIdentity | Non
     if not agent_triple or identity is None:
         return False
     try:
-        epoch = int(agent_triple["epoch"])
-        other = (str(agent_triple["instanceId"]), str(agent_triple["bootId"]))
+        accepted = Triple.from_json(agent_triple)
     except (KeyError, TypeError, ValueError):
         return False
-    if epoch > identity.epoch:
-        return True
-    return epoch == identity.epoch and other != (identity.instance_id, identity.boot_id)
+    return verdict(accepted, identity) in ("stale", "competing")
 
 
 class MonitorLock:

@@ -8,7 +8,7 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
-from mirbad_site.config import NODE_ID_PATTERN
+from protocol.names import NODE_ID_PATTERN
 
 node_id_validator = RegexValidator(
     NODE_ID_PATTERN,

@@ -21,9 +21,10 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from nodes import events, fencing, status_cache
-from nodes.agent_client import PROTOCOL_VERSIONS, AgentError, AsyncAgentClient
+from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
 from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState, compute_state
+from protocol.versions import PROTOCOL_VERSIONS
 
 log = logging.getLogger("mirbad.monitor")
 

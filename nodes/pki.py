@@ -10,7 +10,6 @@ hostnames play no part, so a node may move addresses without re-enrolling.
 
 from __future__ import annotations
 
-import base64
 import datetime as dt
 import hashlib
 import ipaddress
@@ -27,16 +26,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from mirbad_site.atomic import write_atomic
+from protocol.atomic import write_atomic
+from protocol.identity import MASTER_SPIFFE_ID, node_spiffe_id, spki_sha256, uri_sans
 
-SPIFFE_MASTER = "spiffe://mirbadllm/master"
 NODE_CERT_DAYS = 90
 MASTER_CERT_DAYS = 30
 CA_YEARS = 10
-
-
-def spiffe_node(node_id: str) -> str:
-    return f"spiffe://mirbadllm/node/{node_id}"
 
 
 class PkiError(Exception):
@@ -64,14 +59,6 @@ class CertificateAuthority:
 
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-def spki_sha256(cert: x509.Certificate) -> str:
-    """Base64 SHA-256 of the DER SubjectPublicKeyInfo: the pin of a certificate."""
-    der = cert.public_key().public_bytes(
-        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    return base64.b64encode(hashlib.sha256(der).digest()).decode()
 
 
 def fingerprint(cert: x509.Certificate) -> str:
@@ -128,8 +115,13 @@ def load_or_create_ca(pki_dir: Path) -> CertificateAuthority:
         )
         # The key goes first: a cert without its key must never be left behind.
         try:
-            write_atomic(key_path, _key_pem(key), mode=0o600, exclusive=True)
-            write_atomic(cert_path, cert.public_bytes(serialization.Encoding.PEM), exclusive=True)
+            write_atomic(key_path, _key_pem(key), mode=0o600, exclusive=True, parents=True)
+            write_atomic(
+                cert_path,
+                cert.public_bytes(serialization.Encoding.PEM),
+                exclusive=True,
+                parents=True,
+            )
         except FileExistsError:
             pass  # another process won the race; load its CA below
     try:
@@ -202,7 +194,7 @@ def issue_node_certificate(
         ca,
         public_key=key,
         common_name=node_id,
-        sans=[x509.UniformResourceIdentifier(spiffe_node(node_id))],
+        sans=[x509.UniformResourceIdentifier(node_spiffe_id(node_id))],
         ekus=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
         days=NODE_CERT_DAYS,
     )
@@ -252,8 +244,8 @@ def _ensure_leaf(
         )
         # Chain file: leaf then CA, so a TLS peer gets the issuer too.
         chain = cert.public_bytes(serialization.Encoding.PEM)
-        write_atomic(key_path, _key_pem(key), mode=0o600)
-        write_atomic(cert_path, chain, mode=0o600)
+        write_atomic(key_path, _key_pem(key), mode=0o600, parents=True)
+        write_atomic(cert_path, chain, mode=0o600, parents=True)
     return cert_path, key_path
 
 
@@ -263,7 +255,7 @@ def ensure_master_client_certificate(ca: CertificateAuthority) -> tuple[Path, Pa
         ca,
         name="master-client",
         common_name="mirbadllm-master",
-        sans=[x509.UniformResourceIdentifier(SPIFFE_MASTER)],
+        sans=[x509.UniformResourceIdentifier(MASTER_SPIFFE_ID)],
         ekus=[ExtendedKeyUsageOID.CLIENT_AUTH],
     )
 
@@ -279,14 +271,6 @@ def ensure_enroll_certificate(
         sans=_general_names(addresses),
         ekus=[ExtendedKeyUsageOID.SERVER_AUTH],
     )
-
-
-def _uri_sans(cert: x509.Certificate) -> list[str]:
-    try:
-        ext = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except x509.ExtensionNotFound:
-        return []
-    return ext.value.get_values_for_type(x509.UniformResourceIdentifier)
 
 
 def _has_eku(cert: x509.Certificate, oid: x509.ObjectIdentifier) -> bool:
@@ -327,8 +311,8 @@ def verify_node_certificate(
         )
     if not _has_eku(cert, ExtendedKeyUsageOID.SERVER_AUTH):
         raise PeerRejected(f"node {node_id}: the certificate lacks EKU serverAuth")
-    uris = _uri_sans(cert)
-    expected = spiffe_node(node_id)
+    uris = uri_sans(cert)
+    expected = node_spiffe_id(node_id)
     if len(uris) != 1:
         raise PeerRejected(
             f"node {node_id}: the certificate has {len(uris)} URI SANs; exactly one is allowed"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -20,11 +19,12 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from mirbad_site.atomic import write_atomic
-from mirbad_site.config import NODE_ID_PATTERN, MasterConfig
+from mirbad_site.config import MasterConfig
 from mirbad_site.errors import ServiceError
 from nodes import pki
 from nodes.models import JoinToken, Node
+from protocol.atomic import write_atomic
+from protocol.names import NODE_ID_RE
 
 log = logging.getLogger("mirbad.nodes")
 
@@ -143,7 +143,7 @@ def write_bootstrap_bundle(*, force: bool = False) -> Path | None:
     }
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     path.parent.chmod(0o700)
-    write_atomic(path, json.dumps(bundle, indent=2).encode(), mode=0o600)
+    write_atomic(path, json.dumps(bundle, indent=2).encode(), mode=0o600, parents=True)
     log.info("Wrote the bootstrap bundle for node %s to %s", node.node_id, path)
     return path
 
@@ -289,7 +289,7 @@ def create_join_token(*, node_id: object, lifetime_minutes: object = None) -> di
     already enrolled (or revoked) is refused: that is what rekey is for.
     """
 
-    if not isinstance(node_id, str) or not re.match(NODE_ID_PATTERN, node_id):
+    if not isinstance(node_id, str) or not NODE_ID_RE.fullmatch(node_id):
         raise ServiceError(
             400,
             "invalid_request",
@@ -463,7 +463,9 @@ def takeover() -> dict[str, object]:
         "epoch": identity.epoch,
         "nodes": seen,
     }
-    write_atomic(cfg.data_path / "takeover.json", json.dumps(record, indent=2).encode())
+    write_atomic(
+        cfg.data_path / "takeover.json", json.dumps(record, indent=2).encode(), parents=True
+    )
     log.warning(
         "Takeover: epoch %s -> %d (nodes: %s)", record["previousEpoch"], identity.epoch, seen
     )
@@ -552,7 +554,7 @@ def node_from_param(value: str | None, *, action: str) -> Node:
             raise ServiceError(404, "not_found", "No node exists yet.")
         node = members[0]
     else:
-        if not re.match(NODE_ID_PATTERN, value):
+        if not NODE_ID_RE.fullmatch(value):
             raise ServiceError(400, "invalid_request", "?node= is not a valid node id.")
         node = Node.objects.filter(node_id=value, revoked=False).first()
         if node is None:

@@ -23,18 +23,12 @@ from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
 
-from agent import (
-    ERROR_HEADER,
-    ConnectFailed,
-    Disconnected,
-    WireError,
-    WirePool,
-    WireResponse,
-)
 from mirbad_site.jsoninput import JSON_ERRORS, is_text, why_not_json
 from mirbad_site.throttle import key_failures, key_prefix
 from nodes import status_cache
 from nodes.services import node_ssl_context
+from protocol.errors import ERROR_HEADER, AgentCode, ConnectFailed, Disconnected, WireError
+from protocol.wire import WirePool, WireResponse
 from router import errors, metrics, transform
 from router.errors import V1Error
 from router.invalidation import Listener
@@ -463,11 +457,11 @@ class RouterApp:
             message = json.loads(await response.read(limit=65536))["error"]["message"]
         except Exception:
             message = code
-        if code == "model_not_running":
+        if code == AgentCode.MODEL_NOT_RUNNING:
             raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
-        if code == "server_busy":
+        if code == AgentCode.SERVER_BUSY:
             raise V1Error(503, "server_busy", f"Node '{node_id}' is at its limit.", retry_after=5)
-        if code == "client_not_master":
+        if code == AgentCode.CLIENT_NOT_MASTER:
             raise errors.upstream_unavailable(f"Node '{node_id}' refused the master: {message}")
         raise errors.upstream_unavailable(message)
 

@@ -20,6 +20,7 @@ from models_registry.models import ModelDefinition
 from nodes import status_cache
 from nodes.models import Node
 from nodes.states import SERVING, NodeState
+from protocol.states import InstanceState
 from router import errors, keys
 
 # Changes arrive through router.invalidation within milliseconds; the TTLs only
@@ -234,7 +235,7 @@ class RoutingTable:
             if status is None or status.get("state") not in SERVING:
                 continue
             inst = (status.get("instances") or {}).get(replica.instance_id)
-            if inst is not None and inst.get("state") == "Ready":
+            if inst is not None and inst.get("state") == InstanceState.READY:
                 out.append(replica)
         return out
 

@@ -55,8 +55,8 @@ async def web(limited: bool) -> None:
     import uvicorn
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-    from agent import HttpLimits
     from mirbad_site.http_limits import LimitedHttpToolsProtocol
+    from protocol.http_limits import HttpLimits
 
     class Defaults(LimitedHttpToolsProtocol):
         limits = HttpLimits()
@@ -97,9 +97,9 @@ async def enroll() -> None:
 async def agent() -> None:
     from aiohttp import web as aioweb
 
-    from agent import HttpLimits
     from agent._front import FrontListener
     from agent._proxy import Proxy, Upstream
+    from protocol.http_limits import HttpLimits
 
     def resolve(instance_id: str) -> Upstream:
         return Upstream(port=9, key="k", served_name="demo")

@@ -19,9 +19,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from agent._config import AgentConfig
 from agent._events import EventBus
 from agent._executables import Catalogue
-from agent._identity import Identity, load_identity, node_spiffe_id, store_identity
+from agent._identity import Identity, load_identity, store_identity
 from agent._process import ProcessRuntime
 from agent._server import AgentServer
+from protocol.identity import node_spiffe_id
 
 MASTER_URI = "spiffe://mirbadllm/master"
 

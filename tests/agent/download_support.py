@@ -16,7 +16,7 @@ from agent_support import RunningAgent
 
 from agent._downloads import DownloadManager
 from agent._events import Event, EventBus, Subscription
-from agent._tinygguf import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 from tests.fakehub import FakeHub
 
 SECRET = "hf_TestTokenValue_9f3c1d2e7b"

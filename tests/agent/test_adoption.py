@@ -36,7 +36,7 @@ from agent._config import AgentConfig, ExecutableEntry
 from agent._process import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
 from agent._reconcile import argv_digest, matches_record, observe
 from agent._spec import parse_launch_spec
-from agent._tinygguf import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,9 +11,10 @@ import aiohttp
 import pytest
 from agent_support import RunningAgent, launch_body
 
-from agent import PROTOCOL_VERSIONS, __version__
+from agent import __version__
 from agent._events import EventBus
 from agent._telemetry import HealthMonitor
+from protocol.versions import PROTOCOL_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -126,7 +126,7 @@ async def test_download_through_the_api(
 
 @pytest.fixture
 def tiny_gguf_bytes(tmp_path: Path) -> bytes:
-    from agent._tinygguf import write_tiny_gguf
+    from protocol.tinygguf import write_tiny_gguf
 
     return write_tiny_gguf(tmp_path / "src" / "tiny.gguf", seed=5).read_bytes()
 

@@ -25,7 +25,8 @@ from agent import EnrollmentError, TokenRefused, UntrustedEnrollEndpoint, __vers
 from agent.__main__ import main
 from agent._config import AgentConfig
 from agent._enroll import bootstrap_enroll, join
-from agent._identity import has_identity, load_identity, spki_sha256
+from agent._identity import has_identity, load_identity
+from protocol.identity import spki_sha256
 
 pytestmark = pytest.mark.timeout(30)
 TOKEN = "join-token-secret-123"

@@ -15,10 +15,10 @@ import pytest
 from agent_support import RunningAgent, client_context
 from aiohttp import web
 
-from agent import ConfigError, HttpLimits, load_config
+from agent import ConfigError, load_config
 from agent._front import FrontListener
-from agent._http_limits import aiohttp_handler_limits
 from agent._proxy import Proxy, Upstream
+from protocol.http_limits import HttpLimits, aiohttp_handler_limits
 from tests.http_attacks import (
     BIG_HEADER,
     COUNTED_HEADERS,

@@ -9,8 +9,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from agent import write_tiny_gguf
 from agent._gguf import GgufInvalid, read_header, summary
+from protocol.tinygguf import write_tiny_gguf
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,11 @@ from agent_support import (
     master_headers,
 )
 
-from agent import engine_flags, write_tiny_gguf
 from agent._config import AgentConfig, ExecutableEntry
-from agent._engine_flags import ENGINE_FLAG_TABLES, EngineFlags
 from agent._executables import write_manifest
 from agent._server import AgentServer
+from protocol.engine_flags import ENGINE_FLAG_TABLES, EngineFlags, engine_flags
+from protocol.tinygguf import write_tiny_gguf
 from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS, MCP_JSON
 
 pytestmark = pytest.mark.timeout(30)
@@ -136,7 +136,7 @@ async def test_the_resolved_default_version_has_its_own_allow_list(
         flags=tuple(f for f in newest.flags if "--temp" not in f.names),
         chat_templates=newest.chat_templates,
     )
-    monkeypatch.setattr("agent._engine_flags.ENGINE_FLAG_TABLES", (*ENGINE_FLAG_TABLES, older))
+    monkeypatch.setattr("protocol.engine_flags.ENGINE_FLAG_TABLES", (*ENGINE_FLAG_TABLES, older))
     folder = tmp_path / "runtimes" / "llama.cpp" / "0.5.1"
     folder.mkdir(parents=True)
     script = folder / "llama-server"

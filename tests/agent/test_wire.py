@@ -1,4 +1,4 @@
-"""agent._wire's WirePool against real servers on 127.0.0.1: aiohttp apps, and raw
+"""protocol.wire's WirePool against real servers on 127.0.0.1: aiohttp apps, and raw
 asyncio servers where the exact bytes on the wire matter."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from multidict import CIMultiDict
 
 from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
-from agent._wire import MAX_RESPONSE_HEADERS, WirePool
+from protocol.wire import MAX_RESPONSE_HEADERS, WirePool
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -26,7 +26,7 @@ import httpx
 import psutil
 import pytest
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,9 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent import engine_flags
-from agent._engine_flags import ENGINE_FLAG_TABLES
 from agent._install import probe_version
+from protocol.engine_flags import ENGINE_FLAG_TABLES, engine_flags
 from tests.e2e.conftest import llama_server_or_fail
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -84,8 +83,8 @@ def test_builtin_template_renders_as_that_template(tmp_path: Path) -> None:
     With Jinja on (the engine's default) ``--chat-template llama3`` is read as template
     source and every prompt renders as the word "llama3"; the builder turns Jinja off.
     """
-    from agent import write_tiny_gguf
     from models_registry.llamacpp import LlamaCppSettings, build_argv
+    from protocol.tinygguf import write_tiny_gguf
     from tests.e2e.conftest import free_port
 
     binary = llama_server_or_fail()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 from tests.e2e.conftest import install_llama_server, llama_server_or_fail, wait_for
 from tests.fakehub import FakeHub
 

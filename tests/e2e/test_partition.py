@@ -21,7 +21,7 @@ import httpx
 import psutil
 import pytest
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 from tests.e2e.conftest import (
     ROOT,
     create_and_start,

@@ -25,7 +25,7 @@ import openai
 import psutil
 import pytest
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 from tests.e2e.conftest import join_agent, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow

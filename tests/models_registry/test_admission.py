@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import write_tiny_gguf
 from agent._gguf import read_summary
 from mirbad_site.errors import ServiceError
 from models_registry import admission, llamacpp
 from nodes.models import Node
+from protocol.tinygguf import write_tiny_gguf
 
 GIB = 1024**3
 GPU_A = "GPU-aaaaaaaa-0000-0000-0000-000000000001"

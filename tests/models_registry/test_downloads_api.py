@@ -20,11 +20,11 @@ import pytest
 from asgiref.sync import sync_to_async
 from rest_framework.test import APIClient
 
-from agent import write_tiny_gguf
 from models_registry.models import ModelDefinition
 from nodes import status_cache
 from nodes.models import Node
 from nodes.monitor import NodeWorker
+from protocol.tinygguf import write_tiny_gguf
 from tests.factories import make_node, set_status
 from tests.fakehub import FakeHub
 from tests.nodes.conftest import Enrolled

@@ -9,12 +9,12 @@ import pytest
 from asgiref.sync import sync_to_async
 from rest_framework.test import APIClient
 
-from agent import write_tiny_gguf
 from agent._spec import fingerprint, parse_launch_spec
 from models_registry import lifecycle
 from models_registry.models import MemorySample, ModelDefinition, Placement
 from nodes.models import Node
 from nodes.monitor import NodeWorker
+from protocol.tinygguf import write_tiny_gguf
 from tests.factories import make_model, make_node, set_status
 from tests.nodes.conftest import Enrolled
 

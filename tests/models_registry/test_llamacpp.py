@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from agent import check_engine_argv, engine_flags
-from agent._engine_flags import Flag, FloatRange, IntRange, Switch, Words
 from models_registry.llamacpp import (
     ALWAYS_FLAGS,
     LlamaCppSettings,
     SettingsError,
     build_argv,
     execution_fingerprint,
+)
+from protocol.engine_flags import (
+    Flag,
+    FloatRange,
+    IntRange,
+    Switch,
+    Words,
+    check_engine_argv,
+    engine_flags,
 )
 from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS
 

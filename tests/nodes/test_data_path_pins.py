@@ -16,8 +16,9 @@ import pytest
 import uvloop
 from asgiref.sync import sync_to_async
 
-from agent import ConnectFailed, WirePool
 from nodes.services import node_ssl_context
+from protocol.errors import ConnectFailed
+from protocol.wire import WirePool
 from tests.nodes.conftest import Enrolled
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("close_db_after")]

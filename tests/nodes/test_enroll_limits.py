@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from agent import HttpLimits
 from nodes.enroll_listener import serve
+from protocol.http_limits import HttpLimits
 from tests.http_attacks import (
     BIG_HEADER,
     COUNTED_HEADERS,

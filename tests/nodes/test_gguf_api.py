@@ -8,8 +8,8 @@ import pytest
 from asgiref.sync import sync_to_async
 from rest_framework.test import APIClient
 
-from agent import write_tiny_gguf
 from nodes.monitor import NodeWorker
+from protocol.tinygguf import write_tiny_gguf
 from tests.factories import make_node, set_status
 from tests.nodes.conftest import Enrolled
 

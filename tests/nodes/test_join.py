@@ -59,6 +59,9 @@ def test_join_token_shown_once_with_the_command(operator_client: APIClient) -> N
     assert dt.timedelta(minutes=59) < lifetime <= dt.timedelta(minutes=61)
     bad = operator_client.post("/api/join-tokens", {"nodeId": "Bad Id"}, format="json")
     assert bad.status_code == 400 and bad.json()["error"]["message"].startswith("nodeId:")
+    # One rule with the agent's (protocol.names): a trailing newline is not a node id.
+    newline = operator_client.post("/api/join-tokens", {"nodeId": "gpu-3\n"}, format="json")
+    assert newline.status_code == 400 and newline.json()["error"]["message"].startswith("nodeId:")
     life = operator_client.post(
         "/api/join-tokens", {"nodeId": "gpu-2", "lifetimeMinutes": 0}, format="json"
     )

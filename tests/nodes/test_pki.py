@@ -16,6 +16,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from nodes import pki
+from protocol.identity import MASTER_SPIFFE_ID
 
 
 def _csr(node_id: str) -> tuple[ec.EllipticCurvePrivateKey, str]:
@@ -98,7 +99,7 @@ def test_master_client_certificate(ca: pki.CertificateAuthority) -> None:
     cert_path, key_path = pki.ensure_master_client_certificate(ca)
     cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [pki.SPIFFE_MASTER]
+    assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [MASTER_SPIFFE_ID]
     ekus = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(ekus) == [ExtendedKeyUsageOID.CLIENT_AUTH]
     assert stat.S_IMODE(key_path.stat().st_mode) == 0o600

@@ -18,7 +18,7 @@ import httpx
 import numpy as np
 import pytest
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 from router.transform import StreamFilter, UsageSniffer, prepare, transform_embeddings
 from tests.router.test_transform import _normalise
 

@@ -28,7 +28,7 @@ _CHAT_TEMPLATE = (
 
 def write_tiny_gguf(path: str | os.PathLike[str], seed: int = 0) -> Path:
     """Write the tiny model to ``path`` (parent folders created) and return the path."""
-    # Imported here so importing the agent package never requires numpy or gguf.
+    # Imported here so importing the protocol package never requires numpy or gguf.
     import gguf
     import numpy as np
 

@@ -1,6 +1,6 @@
 """One answer on a wire connection: status and headers, then the body as it arrives.
 
-Split from ``agent._wire`` (the connection protocol and the pool): this is the
+Split from ``protocol.wire`` (the connection protocol and the pool): this is the
 consumer's side of an answer, with its buffering, back-pressure thresholds and the
 idle read timeout that does not count our own pauses (docs/decisions.md D29).
 """
@@ -13,10 +13,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from agent._errors import BadResponse, Disconnected, ReadTimeout
+from protocol.errors import BadResponse, Disconnected, ReadTimeout
 
 if TYPE_CHECKING:
-    from agent._wire import _Connection
+    from protocol.wire import _Connection
 
 __all__ = ["MAX_WHOLE_BODY", "WireResponse"]
 

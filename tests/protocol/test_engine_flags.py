@@ -6,8 +6,16 @@ from pathlib import Path
 
 import pytest
 
-from agent import FlagRefused, check_engine_argv, check_extra_args, engine_flags
-from agent._engine_flags import ENGINE_FLAG_TABLES, FloatRange, IntRange, Switch
+from protocol.engine_flags import (
+    ENGINE_FLAG_TABLES,
+    FlagRefused,
+    FloatRange,
+    IntRange,
+    Switch,
+    check_engine_argv,
+    check_extra_args,
+    engine_flags,
+)
 
 # Values no allowed flag may take: paths, URLs, JSON, text, and the number notations
 # std::stoi/stof read beyond plain decimals.

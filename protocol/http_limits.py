@@ -20,7 +20,7 @@ master's web port, its enroll listener and the agent (docs/operator-guide.md,
 :class:`HeadGuard` is the rule set for one connection, driven by the httptools
 callbacks of whichever protocol parses it (uvicorn's, the agent's lean front, or
 :class:`GuardedProtocol`, which parses a copy of the stream in front of aiohttp's
-protocol). This module is Django-free: the master imports it from ``agent``.
+protocol). This module is Django-free and part of the protocol package both sides import.
 """
 
 from __future__ import annotations

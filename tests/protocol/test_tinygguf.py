@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gguf
 
-from agent import write_tiny_gguf
+from protocol.tinygguf import write_tiny_gguf
 
 
 def test_tiny_gguf_metadata(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ together (docs/decisions.md D29). This module does only what the hops need:
   connection's failure is the caller's: that server is really not answering
   (docs/decisions.md D39).
 
-Errors: ``WireError`` and its subclasses, drawn in ``agent._errors``.
+Errors: ``WireError`` and its subclasses, drawn in ``protocol.errors``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from typing import Any
 
 import httptools
 
-from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
-from agent._wire_response import WireResponse
+from protocol.errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
+from protocol.wire_response import WireResponse
 
 __all__ = [
     "BadResponse",

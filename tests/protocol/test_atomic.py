@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent._atomic import write_atomic
+from protocol.atomic import write_atomic
 
 
 def test_writes_with_mode_and_replaces(tmp_path: Path) -> None:
