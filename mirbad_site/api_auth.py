@@ -1,7 +1,7 @@
 """/api authentication: a console session, or an API key with the admin scope.
 
 Failed key lookups count towards the source address's limit, shared with /v1
-(mirbad_site.throttle): past it, a key is not looked up and the answer is 429.
+(core.throttle): past it, a key is not looked up and the answer is 429.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from rest_framework import authentication, exceptions, permissions
 from rest_framework.request import Request
 
-from mirbad_site import throttle
+from core import throttle
 from router import keys
 
 _BLOCKED = "Too many failed API key lookups from this address; no key is checked for now."

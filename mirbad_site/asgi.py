@@ -21,7 +21,7 @@ from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from nodes.consumers import FleetConsumer  # noqa: E402
+from console.consumers import FleetConsumer  # noqa: E402
 from router.app import RouterApp  # noqa: E402
 
 router_app = RouterApp()

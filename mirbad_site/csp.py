@@ -3,7 +3,7 @@
 Console, login and admin pages get :data:`CONTENT_SECURITY_POLICY`: scripts, styles,
 images and connections (the console's websocket included) from this origin only, no
 inline script or style, no plugins, no framing. The console's templates keep to it:
-no inline handlers, ``static/console/confirm.js`` asks the confirmations. The admin
+no inline handlers, ``console/static/console/confirm.js`` asks the confirmations. The admin
 of Django 5.2 has no inline scripts either (its data rides on ``data-`` attributes).
 """
 

@@ -9,7 +9,7 @@ only), an API key and ``Ready.`` once everything answers, and stops all it
 started on Ctrl-C or SIGTERM. A second run reuses the data directory.
 
 Once ready it supervises: a child that exits is started again with back-off
-(:mod:`mirbad_site.supervision`). One ``up`` per data directory: ``up.lock``
+(:mod:`core.supervision`). One ``up`` per data directory: ``up.lock``
 is held by the launcher and inherited by every child, so it stays taken until
 the last of them is gone; on Linux every child also gets SIGTERM when the
 launcher dies (``PR_SET_PDEATHSIG``), even by ``kill -9``.
@@ -30,9 +30,10 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from mirbad_site import stack_lock, supervision
-from mirbad_site.config import MasterConfig, env_for_children, load_master_config
-from mirbad_site.envconf import SettingError
+from core import supervision
+from core.config import MasterConfig, env_for_children, load_master_config
+from core.envconf import SettingError
+from mirbad_site import stack_lock
 from protocol.atomic import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent

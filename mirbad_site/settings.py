@@ -12,8 +12,8 @@ from pathlib import Path
 
 import dj_database_url
 
-from mirbad_site.config import load_master_config, load_secret_key
-from mirbad_site.envconf import SettingError
+from core.config import load_master_config, load_secret_key
+from core.envconf import SettingError
 from mirbad_site.web_security import REDIRECT_EXEMPT, load_web_security
 
 try:
@@ -30,6 +30,7 @@ DEBUG = MIRBAD.debug
 ALLOWED_HOSTS = MIRBAD.allowed_hosts
 
 INSTALLED_APPS = [
+    "console",  # first: its templates (registration/login.html) win over the admin's
     "django.contrib.admin",
     "django.contrib.auth",
     "django.contrib.contenttypes",
@@ -59,7 +60,7 @@ ROOT_URLCONF = "mirbad_site.urls"
 TEMPLATES = [
     {
         "BACKEND": "django.template.backends.django.DjangoTemplates",
-        "DIRS": [BASE_DIR / "templates"],
+        "DIRS": [],
         "APP_DIRS": True,
         "OPTIONS": {
             "context_processors": [
@@ -108,7 +109,6 @@ USE_I18N = False
 USE_TZ = True
 
 STATIC_URL = "/static/"
-STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = MIRBAD.data_path / "static"
 
 REST_FRAMEWORK = {
@@ -119,11 +119,11 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["mirbad_site.api_auth.IsOperator"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": [
-        "mirbad_site.api_parsers.JSONParser",  # 400, not 500, for deep nesting and surrogates
+        "core.api_parsers.JSONParser",  # 400, not 500, for deep nesting and surrogates
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
-    "EXCEPTION_HANDLER": "mirbad_site.api_errors.exception_handler",
+    "EXCEPTION_HANDLER": "core.api_errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
 }
 

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 from django.contrib import admin
-from django.contrib.auth import views as auth_views
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
-from django.urls import path
+from django.urls import include, path
 
-from mirbad_site import login_views
+from console import login_views
 from models_registry.api import downloads as download_api
 from models_registry.api import views as model_api
 from nodes import monitor, status_cache
-from nodes import views as console
 from nodes.api import views as node_api
-from router import views as key_console
 from router.api import usage as usage_api
 from router.api import views as key_api
 
@@ -54,15 +51,7 @@ def healthz(request: HttpRequest) -> JsonResponse:
 
 
 urlpatterns = [
-    path("", console.overview, name="overview"),
-    path("nodes/add/", console.add_node, name="add-node"),
-    path("takeover/", console.takeover, name="takeover"),
-    path("nodes/<str:node_id>/rekey/", console.rekey_node, name="node-rekey"),
-    path("nodes/<str:node_id>/<str:action>/", console.node_action, name="node-action"),
-    path("keys/", key_console.keys_page, name="keys"),
-    path("keys/<int:key_id>/revoke/", key_console.revoke_key, name="key-revoke"),
-    path("login/", login_views.console_login, name="login"),
-    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("", include("console.urls")),
     path("healthz", healthz),
     path("admin/login/", login_views.admin_login),  # ahead of the admin's own, unthrottled
     path("admin/", admin.site.urls),

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from mirbad_site.envconf import env_bool, env_int
+from core.envconf import env_bool, env_int
 
 __all__ = ["REDIRECT_EXEMPT", "WebSecurity", "load_web_security"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import estimate as est
 from models_registry import llamacpp
 from nodes.models import Node

@@ -4,3 +4,11 @@ from django.apps import AppConfig
 class ModelsRegistryConfig(AppConfig):
     name = "models_registry"
     default_auto_field = "django.db.models.BigAutoField"
+
+    def ready(self) -> None:
+        # The monitor (nodes) learns of measurements and agent restarts; the model
+        # lifecycle acts on them. nodes may not import this app, so it is told here.
+        from models_registry import lifecycle
+        from nodes import hooks
+
+        hooks.register(measurement=lifecycle.record_measurement, autostart=lifecycle.autostart_node)

@@ -24,7 +24,7 @@ import os
 import re
 from typing import Any
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry.lifecycle import agent_error
 from models_registry.models import ModelDefinition
 from nodes import status_cache

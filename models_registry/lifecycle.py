@@ -25,7 +25,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import admission, llamacpp
 from models_registry.estimate import GIB, EstimateError
 from models_registry.models import MemorySample, ModelDefinition, Placement

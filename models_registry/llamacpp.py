@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from protocol.engine_flags import (
     LOOPBACK,
     MODEL_PLACEHOLDER,

@@ -14,7 +14,7 @@ from typing import Any
 
 from django.db import transaction
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import llamacpp
 from models_registry.models import ModelDefinition, Placement
 from nodes import status_cache

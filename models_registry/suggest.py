@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import admission, lifecycle
 from models_registry.models import ModelDefinition
 from models_registry.services import get_model

@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 from django.conf import settings
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from nodes import fencing
 from nodes.models import Node
 from nodes.services import node_ssl_context

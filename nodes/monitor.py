@@ -20,7 +20,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from nodes import events, fencing, status_cache
+from nodes import events, fencing, hooks, status_cache
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
 from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState, compute_state
@@ -174,10 +174,8 @@ class NodeWorker:
 
     async def record_measurement(self, instance: dict[str, Any]) -> None:
         """Keep the instance's measured memory beside its budget (one row per start)."""
-        from models_registry import lifecycle
-
         try:
-            await sync_to_async(lifecycle.record_measurement)(self.node.node_id, instance)
+            await sync_to_async(hooks.record_measurement)(self.node.node_id, instance)
         except Exception:  # a bookkeeping failure must not drop the node's connection
             log.exception("Node %s: recording a memory measurement failed", self.node.node_id)
 
@@ -187,10 +185,8 @@ class NodeWorker:
         Run as its own task after a connect that saw a new boot id, so the event
         stream keeps being read while the starts (each waits on the agent) go on.
         """
-        from models_registry import lifecycle
-
         try:
-            outcomes = await sync_to_async(lifecycle.autostart_node, thread_sensitive=False)(
+            outcomes = await sync_to_async(hooks.autostart, thread_sensitive=False)(
                 self.node.node_id
             )
         except Exception:

@@ -19,8 +19,8 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from mirbad_site.config import MasterConfig
-from mirbad_site.errors import ServiceError
+from core.config import MasterConfig
+from core.errors import ServiceError
 from nodes import pki
 from nodes.models import JoinToken, Node
 from protocol.atomic import write_atomic

@@ -23,8 +23,8 @@ from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
 
-from mirbad_site.jsoninput import JSON_ERRORS, is_text, why_not_json
-from mirbad_site.throttle import key_failures, key_prefix
+from core.jsoninput import JSON_ERRORS, is_text, why_not_json
+from core.throttle import key_failures, key_prefix
 from nodes import status_cache
 from nodes.services import node_ssl_context
 from protocol.errors import ERROR_HEADER, AgentCode, ConnectFailed, Disconnected, WireError
@@ -289,7 +289,7 @@ class RouterApp:
         """The request's key; an address past its failed lookups is refused before lookup.
 
         A valid key costs one dictionary read here (none while no address is blocked);
-        Redis is asked only after a lookup failed (mirbad_site.throttle).
+        Redis is asked only after a lookup failed (core.throttle).
         """
         client = scope.get("client")
         host = client[0] if client else None

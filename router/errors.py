@@ -118,7 +118,7 @@ def rate_limited(message: str, retry_after: int) -> V1Error:
 
 
 def too_many_failed_keys(retry_after: int) -> V1Error:
-    """429 for a source address past its failed key lookups (mirbad_site.throttle)."""
+    """429 for a source address past its failed key lookups (core.throttle)."""
     return V1Error(
         429,
         "too_many_failed_keys",

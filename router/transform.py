@@ -66,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from mirbad_site.jsoninput import JSON_ERRORS
+from core.jsoninput import JSON_ERRORS
 from router.errors import V1Error
 
 __all__ = [

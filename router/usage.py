@@ -32,7 +32,7 @@ from django.db import IntegrityError, close_old_connections, transaction
 from django.db.models import F, Q, Sum
 from django.utils.dateparse import parse_date, parse_datetime
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from router.keys import KeyInfo
 from router.models import ApiKey, UsageRecord
 

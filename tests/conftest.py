@@ -93,12 +93,12 @@ def master_identity():
 @pytest.fixture(autouse=True)
 def _no_failures_counted():
     """Failed logins and key lookups are counted in Redis across requests (and so across
-    tests, all from 127.0.0.1): each test starts with none (mirbad_site.throttle)."""
+    tests, all from 127.0.0.1): each test starts with none (core.throttle)."""
     import contextlib
 
     from redis.exceptions import RedisError
 
-    from mirbad_site import throttle
+    from core import throttle
 
     with contextlib.suppress(RedisError, OSError):
         throttle.reset()

@@ -17,7 +17,7 @@ def test_compose_services_and_settings() -> None:
         assert name in services, name
     for name, service in services.items():
         assert "image" in service or "build" in service, name
-    known = set(re.findall(r'"(MIRBAD_[A-Z_]+)"', (ROOT / "mirbad_site" / "config.py").read_text()))
+    known = set(re.findall(r'"(MIRBAD_[A-Z_]+)"', (ROOT / "core" / "config.py").read_text()))
     used = {
         key
         for service in services.values()

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mirbad_site.config import load_master_config
-from mirbad_site.envconf import (
+from core.config import load_master_config
+from core.envconf import (
     SettingError,
     env_bool,
     env_int,

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from mirbad_site.config import MasterConfig, load_master_config
-from mirbad_site.envconf import SettingError
+from core.config import MasterConfig, load_master_config
+from core.envconf import SettingError
 from mirbad_site.http_limits import LimitedHttpToolsProtocol
 from protocol.http_limits import HttpLimits
 from tests.http_attacks import (

@@ -143,7 +143,7 @@ def test_redis_down_fails_open_and_still_logs(
 ) -> None:
     import redis
 
-    from mirbad_site import throttle
+    from core import throttle
 
     dead = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     monkeypatch.setattr(throttle, "_redis", lambda: dead)
@@ -187,7 +187,7 @@ def test_a_checked_failure_counts_even_when_the_window_filled_meanwhile(user: ob
     With nine failures on record, parallel attempts all pass ``login_wait`` and all
     have their password checked; the recording of each must add to the counter.
     """
-    from mirbad_site import throttle
+    from core import throttle
 
     for _ in range(12):  # the 11th and 12th arrive after the window is full
         throttle.record_login_failure("alice", "10.9.0.1", "/login/")

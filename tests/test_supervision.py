@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 from django.test import Client
 
-from mirbad_site import launcher, stack_lock, supervision
-from mirbad_site.config import load_master_config
+from core import supervision
+from core.config import load_master_config
+from mirbad_site import launcher, stack_lock
 from nodes import monitor, status_cache
 
 
@@ -123,8 +124,8 @@ import os, sys, time
 sys.path.insert(0, {str(Path(launcher.ROOT))!r})
 from pathlib import Path
 from mirbad_site.launcher import Launcher
-from mirbad_site.supervision import Child
-from mirbad_site.config import load_master_config
+from core.supervision import Child
+from core.config import load_master_config
 up = Launcher(config=load_master_config({{"MIRBAD_DATA_PATH": {str(tmp_path / "var")!r}}}), demo=False)
 up.lock()
 child = Child(name="sleeper", argv=["sleep", "60"], log_path=Path({str(tmp_path)!r}) / "s.log")

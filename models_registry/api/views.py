@@ -9,7 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import lifecycle, services, suggest
 from models_registry.models import ModelDefinition, Placement
 from nodes import status_cache

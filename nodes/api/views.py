@@ -8,7 +8,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from nodes import services, status_cache
 from nodes.models import Node
 from nodes.states import registry_state

@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from router import keys
 from router.models import ApiKey
 

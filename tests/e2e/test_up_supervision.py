@@ -16,7 +16,7 @@ import psutil
 import pytest
 import redis
 
-from mirbad_site.config import embedded_redis_socket
+from core.config import embedded_redis_socket
 from tests.e2e.conftest import ROOT, Stack, create_and_start, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow

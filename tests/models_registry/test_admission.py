@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from agent._gguf import read_summary
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import admission, llamacpp
 from nodes.models import Node
 from protocol.tinygguf import write_tiny_gguf

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import lifecycle
 from models_registry.models import ModelDefinition, Placement
 from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS, MCP_JSON

@@ -260,8 +260,8 @@ async def test_v1_keeps_serving_while_redis_stalls(private_redis: PrivateRedis) 
 
 
 def test_the_status_timeout_is_a_setting(private_redis: PrivateRedis, settings: Any) -> None:
-    from mirbad_site.config import load_master_config
-    from mirbad_site.envconf import SettingError
+    from core.config import load_master_config
+    from core.envconf import SettingError
 
     assert load_master_config({}).redis_status_timeout == 0.5
     assert load_master_config({"MIRBAD_REDIS_STATUS_TIMEOUT": "0.1"}).redis_status_timeout == 0.1

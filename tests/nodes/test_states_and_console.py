@@ -54,7 +54,7 @@ def test_overview_needs_login_and_lists_nodes_and_models(operator, status_redis)
 @pytest.mark.django_db(transaction=True)
 async def test_fleet_websocket_forwards_typed_events(operator) -> None:
     # The session middleware would load the user; the consumer is tested on its own.
-    from nodes.consumers import FleetConsumer
+    from console.consumers import FleetConsumer
 
     communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
     communicator.scope["user"] = operator
@@ -91,7 +91,7 @@ async def test_an_idle_fleet_websocket_outlives_the_channel_layers_blocking_wait
     # reconnected every few seconds). Past that wait, the socket is open and live.
     from channels_redis.core import RedisChannelLayer
 
-    from nodes.consumers import FleetConsumer
+    from console.consumers import FleetConsumer
 
     communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
     communicator.scope["user"] = operator
@@ -108,7 +108,7 @@ async def test_an_idle_fleet_websocket_outlives_the_channel_layers_blocking_wait
 async def test_fleet_websocket_refuses_anonymous() -> None:
     from django.contrib.auth.models import AnonymousUser
 
-    from nodes.consumers import FleetConsumer
+    from console.consumers import FleetConsumer
 
     communicator = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
     communicator.scope["user"] = AnonymousUser()

@@ -65,7 +65,7 @@ async def test_past_ten_failures_the_address_gets_429_before_any_lookup(
 
 async def test_another_process_learns_the_block_from_redis(chat_key: str) -> None:
     """A second web process (its own local cache) refuses at its first failed lookup."""
-    from mirbad_site import throttle
+    from core import throttle
 
     assert await _fail(_client(RouterApp(), "192.0.2.20"), 10) == [401] * 10
     throttle.key_failures.forget()  # what a process that saw none of those failures knows
@@ -76,7 +76,7 @@ async def test_another_process_learns_the_block_from_redis(chat_key: str) -> Non
 async def test_a_valid_key_costs_no_redis_round_trip(
     chat_key: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mirbad_site import throttle
+    from core import throttle
 
     calls: list[str] = []
 
@@ -100,7 +100,7 @@ async def test_redis_unreachable_fails_open(
 ) -> None:
     import redis.asyncio as aioredis
 
-    from mirbad_site import throttle
+    from core import throttle
 
     dead = aioredis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)
     monkeypatch.setattr(throttle.KeyFailureThrottle, "_aredis", lambda self: dead)

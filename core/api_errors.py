@@ -8,7 +8,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 
 _CODES = {
     status.HTTP_400_BAD_REQUEST: "invalid_request",

@@ -9,7 +9,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from nodes.views import operator_required
+from console.views import operator_required
 from router import keys
 from router.models import SCOPES, ApiKey
 

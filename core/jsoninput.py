@@ -1,7 +1,7 @@
 """JSON from clients: what parsing it can raise, and strings no database can hold.
 
 One place for both ``/v1`` (router/app.py, router/transform.py) and ``/api``
-(mirbad_site/api_parsers.py), so that a body is refused the same way on either.
+(core/api_parsers.py), so that a body is refused the same way on either.
 """
 
 from __future__ import annotations

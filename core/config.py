@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mirbad_site.envconf import (
+from core.envconf import (
     SettingError,
     env_bool,
     env_float,

@@ -10,8 +10,8 @@ from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
-from mirbad_site import supervision
-from mirbad_site.errors import ServiceError
+from core import supervision
+from core.errors import ServiceError
 from models_registry import lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition

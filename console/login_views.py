@@ -9,7 +9,7 @@ releases the GIL, so the shared thread serves ``/api`` meanwhile, and the pool's
 bounds how many cores password checks may take.
 
 Before the password is checked, a POST is refused with 429 and ``Retry-After`` when
-the account or the source address is past the failure limit (mirbad_site.throttle).
+the account or the source address is past the failure limit (core.throttle).
 Failures are counted and logged through Django's ``user_login_failed`` signal, so
 every caller of ``authenticate`` is counted, whichever view it came through.
 """
@@ -32,7 +32,7 @@ from django.dispatch import receiver
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from mirbad_site import throttle
+from core import throttle
 
 # Half the cores (at least one): logins queue among themselves instead of taking the
 # whole machine from the requests that are not logins.
@@ -43,7 +43,7 @@ SyncView = Callable[..., HttpResponse]
 
 
 def client_address(request: HttpRequest) -> str:
-    """The peer address the web server saw (see mirbad_site.throttle on proxies)."""
+    """The peer address the web server saw (see core.throttle on proxies)."""
     return str(request.META.get("REMOTE_ADDR") or "unknown")
 
 

@@ -3,7 +3,7 @@
 DRF's parser turns only ``ValueError`` into a 400. 100,000 nested brackets raise
 ``RecursionError``, and a lone surrogate escape (``"\\ud800"``) parses into a str that
 the database cannot encode, so the save raised ``UnicodeEncodeError``. Both are
-refused here, naming the field (mirbad_site.jsoninput holds the rules /v1 shares).
+refused here, naming the field (core.jsoninput holds the rules /v1 shares).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 from rest_framework import parsers
 
-from mirbad_site.errors import ServiceError
-from mirbad_site.jsoninput import first_non_text, why_not_json
+from core.errors import ServiceError
+from core.jsoninput import first_non_text, why_not_json
 
 
 class JSONParser(parsers.JSONParser):

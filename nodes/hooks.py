@@ -1,0 +1,49 @@
+"""What other apps do when the monitor learns something about a node.
+
+``nodes`` sits below ``models_registry`` (docs/architecture.md, "Layers"), so the
+monitor cannot call the model lifecycle itself. The apps above register their
+handlers here in ``AppConfig.ready`` (``models_registry/apps.py``): one that records an
+instance's measured memory, one that restarts the auto-start models a node lost. A
+monitor without a registered handler does nothing for that event (and says so once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("mirbad.nodes.hooks")
+
+MeasurementHandler = Callable[[str, dict[str, Any]], None]
+AutostartHandler = Callable[[str], list[dict[str, Any]]]
+
+_measurement: MeasurementHandler | None = None
+_autostart: AutostartHandler | None = None
+
+
+def register(
+    *, measurement: MeasurementHandler | None = None, autostart: AutostartHandler | None = None
+) -> None:
+    """Set the handlers (a later call replaces an earlier one: ready() may run twice)."""
+    global _measurement, _autostart
+    if measurement is not None:
+        _measurement = measurement
+    if autostart is not None:
+        _autostart = autostart
+
+
+def record_measurement(node_id: str, instance: dict[str, Any]) -> None:
+    """Blocking: run it in a thread from async code."""
+    if _measurement is None:
+        log.warning("No measurement handler is registered; node %s's is dropped", node_id)
+        return
+    _measurement(node_id, instance)
+
+
+def autostart(node_id: str) -> list[dict[str, Any]]:
+    """Blocking: the outcomes ({model, started, reason}) of the node's auto-starts."""
+    if _autostart is None:
+        log.warning("No auto-start handler is registered; node %s starts nothing", node_id)
+        return []
+    return _autostart(node_id)
