@@ -38,6 +38,8 @@ INSTALLED_APPS = [
     "django.contrib.messages",
     "django.contrib.staticfiles",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's files, served from here (no CDN)
     "channels",
     "nodes",
     "models_registry",
@@ -125,6 +127,27 @@ REST_FRAMEWORK = {
     ],
     "EXCEPTION_HANDLER": "core.api_errors.exception_handler",
     "UNAUTHENTICATED_USER": None,
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+# /api/schema and /api/docs (mirbad_site/api_schema.py): the operators /api serves,
+# the same authentication and permission (docs/decisions.md D41).
+SPECTACULAR_SETTINGS = {
+    "TITLE": "MirbadLLM operator API",
+    "VERSION": "1",
+    "DESCRIPTION": (
+        "The master's /api: nodes, models, downloads, API keys and usage. A staff console "
+        "login or an API key with the 'admin' scope (Authorization: Bearer). Every error is "
+        '{"error": {"code", "message", ...}}. The OpenAI-compatible /v1 is not described '
+        "here (docs/operator-guide.md)."
+    ),
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["mirbad_site.api_auth.IsOperator"],
+    "SCHEMA_PATH_PREFIX": "/api",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # redis-py 8 reads with a 5 s socket timeout by default, and channels_redis waits for a

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
 from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.urls import include, path
 
 from console import login_views
+from mirbad_site import api_schema
 from models_registry.api import downloads as download_api
 from models_registry.api import views as model_api
 from nodes import monitor, status_cache
@@ -50,41 +53,59 @@ def healthz(request: HttpRequest) -> JsonResponse:
     return JsonResponse(body, status=200 if ok else 503)
 
 
+# The /api viewsets, each action on the path it always had: flat paths (no router)
+# keep every route's converter and keep tests/test_api.py's list of routes complete.
+nodes_api = node_api.NodeViewSet
+models_api = model_api.ModelViewSet
+keys_api = key_api.KeyViewSet
+downloads_api = download_api.DownloadViewSet
+folders_api = download_api.ModelFolderViewSet
+_LIST_CREATE: dict[str, Any] = {"get": "list", "post": "create"}
+_READ_CHANGE: dict[str, Any] = {"get": "retrieve", "patch": "partial_update"}
+_READ_DELETE: dict[str, Any] = {"get": "retrieve", "delete": "destroy"}
+_DELETE: dict[str, Any] = {"delete": "destroy"}
+
 urlpatterns = [
     path("", include("console.urls")),
     path("healthz", healthz),
     path("admin/login/", login_views.admin_login),  # ahead of the admin's own, unthrottled
     path("admin/", admin.site.urls),
-    path("api/nodes", node_api.NodeList.as_view()),
-    path("api/nodes/<str:node_id>", node_api.NodeDetail.as_view()),
-    path("api/join-tokens", node_api.JoinTokenCreate.as_view()),
-    path("api/takeover", node_api.Takeover.as_view()),
-    path("api/model-folders", download_api.ModelFolderList.as_view()),
-    path("api/model-folders/<str:folder>", download_api.ModelFolderDetail.as_view()),
+    # drf-spectacular's views type as_view() as async; they are DRF's sync views.
+    path("api/schema", api_schema.SchemaView.as_view(), name="api-schema"),  # type: ignore[arg-type]
+    path("api/docs", api_schema.DocsView.as_view(), name="api-docs"),  # type: ignore[arg-type]
+    path("api/nodes", nodes_api.as_view({"get": "list"})),
+    path("api/nodes/<str:node_id>", nodes_api.as_view(_READ_CHANGE)),
+    path("api/join-tokens", node_api.JoinTokenView.as_view()),
+    path("api/takeover", node_api.TakeoverView.as_view()),
+    path("api/model-folders", folders_api.as_view({"get": "list"})),
+    path("api/model-folders/<str:folder>", folders_api.as_view({"get": "retrieve"})),
     path("api/model-folders/<str:folder>/gguf", node_api.ModelFolderGguf.as_view()),
-    path("api/downloads", download_api.DownloadList.as_view()),
-    path("api/downloads/inspect", download_api.DownloadInspect.as_view()),
-    path("api/downloads/<str:folder>", download_api.DownloadDetail.as_view()),
-    path("api/reclaim", download_api.Reclaim.as_view()),
-    path("api/nodes/<str:node_id>/approve", node_api.NodeAction.as_view(action="approve")),
-    path("api/nodes/<str:node_id>/revoke", node_api.NodeAction.as_view(action="revoke")),
-    path("api/nodes/<str:node_id>/drain", node_api.NodeAction.as_view(action="drain")),
-    path("api/nodes/<str:node_id>/undrain", node_api.NodeAction.as_view(action="undrain")),
-    path("api/nodes/<str:node_id>/rekey", node_api.NodeRekey.as_view()),
-    path("api/nodes/<str:node_id>/maintenance", node_api.NodeMaintenance.as_view()),
-    path("api/models", model_api.ModelList.as_view()),
-    path("api/models/<int:model_id>", model_api.ModelDetail.as_view()),
-    path("api/models/<int:model_id>/start", model_api.ModelStart.as_view()),
-    path("api/models/<int:model_id>/stop", model_api.ModelStop.as_view()),
-    path("api/models/<int:model_id>/restart", model_api.ModelRestart.as_view()),
-    path("api/models/<int:model_id>/estimate", model_api.ModelEstimate.as_view()),
+    path("api/downloads", downloads_api.as_view(_LIST_CREATE)),
+    path("api/downloads/inspect", downloads_api.as_view({"get": "inspect"})),
+    path("api/downloads/<str:folder>", downloads_api.as_view(_READ_DELETE)),
+    path("api/reclaim", download_api.ReclaimViewSet.as_view(_LIST_CREATE)),
+    path("api/nodes/<str:node_id>/approve", nodes_api.as_view({"post": "approve"})),
+    path("api/nodes/<str:node_id>/revoke", nodes_api.as_view({"post": "revoke"})),
+    path("api/nodes/<str:node_id>/drain", nodes_api.as_view({"post": "drain"})),
+    path("api/nodes/<str:node_id>/undrain", nodes_api.as_view({"post": "undrain"})),
+    path("api/nodes/<str:node_id>/rekey", nodes_api.as_view({"post": "rekey"})),
+    path(
+        "api/nodes/<str:node_id>/maintenance",
+        nodes_api.as_view({"post": "maintenance", "delete": "end_maintenance"}),
+    ),
+    path("api/models", models_api.as_view(_LIST_CREATE)),
+    path("api/models/<int:model_id>", models_api.as_view(_READ_CHANGE | _DELETE)),
+    path("api/models/<int:model_id>/start", models_api.as_view({"post": "start"})),
+    path("api/models/<int:model_id>/stop", models_api.as_view({"post": "stop"})),
+    path("api/models/<int:model_id>/restart", models_api.as_view({"post": "restart"})),
+    path("api/models/<int:model_id>/estimate", models_api.as_view({"get": "estimate"})),
     path(
         "api/models/<int:model_id>/placement-suggestions",
-        model_api.PlacementSuggestions.as_view(),
+        models_api.as_view({"get": "placement_suggestions"}),
     ),
-    path("api/estimate-accuracy", model_api.EstimateAccuracy.as_view()),
-    path("api/keys", key_api.KeyList.as_view()),
-    path("api/keys/<int:key_id>", key_api.KeyDetail.as_view()),
+    path("api/estimate-accuracy", model_api.EstimateAccuracyView.as_view()),
+    path("api/keys", keys_api.as_view(_LIST_CREATE)),
+    path("api/keys/<int:key_id>", keys_api.as_view({"patch": "partial_update"} | _DELETE)),
     path("api/usage", usage_api.UsageSummary.as_view()),
     path("api/usage.csv", usage_api.UsageCsv.as_view()),
 ]

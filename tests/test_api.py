@@ -51,6 +51,8 @@ ENDPOINTS = [
     ("delete", "/api/keys/1"),
     ("get", "/api/usage"),
     ("get", "/api/usage.csv"),
+    ("get", "/api/schema"),
+    ("get", "/api/docs"),
 ]
 
 

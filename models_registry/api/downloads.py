@@ -1,26 +1,54 @@
-"""/api/downloads, /api/model-folders and /api/reclaim (thin; models_registry.downloads decides)."""
+"""/api/downloads, /api/model-folders and /api/reclaim (thin; models_registry.downloads decides).
+
+The answers are the node's own records (models_registry.downloads passes them on),
+so the schema names them as objects; the bodies are checked by serializers.
+"""
 
 from __future__ import annotations
 
 from urllib.parse import quote
 
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import viewsets
+from rest_framework.decorators import action
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
+from core.api_serializers import errors, parse
 from models_registry import downloads
+from models_registry.api.serializers import DownloadRequestSerializer, ReclaimRequestSerializer
+
+_NODE = OpenApiParameter(
+    "node", OpenApiTypes.STR, description="The node; may be left out when there is one."
+)
+_FOLDER = OpenApiParameter("folder", OpenApiTypes.STR, OpenApiParameter.PATH)
+_NODE_ERRORS = errors(400, 404, 409, 501, 503)
 
 
 def _node(request: Request) -> str | None:
     return request.query_params.get("node")
 
 
-class DownloadList(APIView):
-    def get(self, request: Request) -> Response:
+@extend_schema(tags=["downloads"], parameters=[_NODE])
+class DownloadViewSet(viewsets.ViewSet):
+    """Hugging Face downloads on a node; ``inspect`` reads the hub (no ``?node=``)."""
+
+    lookup_url_kwarg = "folder"
+
+    @extend_schema(
+        operation_id="downloads_list", responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS}
+    )
+    def list(self, request: Request) -> Response:
         return Response(downloads.list_downloads(_node(request)))
 
-    def post(self, request: Request) -> Response:
-        result = downloads.start_download(_node(request), request.data)
+    @extend_schema(
+        request=DownloadRequestSerializer,
+        responses={202: OpenApiTypes.OBJECT, **_NODE_ERRORS, **errors(502)},
+    )
+    def create(self, request: Request) -> Response:
+        body = parse(DownloadRequestSerializer, request.data)
+        result = downloads.start_download(_node(request), body)
         response = Response(result, status=202)
         location = f"/api/downloads/{quote(result['folder'])}"
         if _node(request):
@@ -29,40 +57,63 @@ class DownloadList(APIView):
         response["Location"] = location
         return response
 
-
-class DownloadDetail(APIView):
-    def get(self, request: Request, folder: str) -> Response:
+    @extend_schema(parameters=[_FOLDER], responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS})
+    def retrieve(self, request: Request, folder: str) -> Response:
         return Response(downloads.get_download(_node(request), folder))
 
-    def delete(self, request: Request, folder: str) -> Response:
+    @extend_schema(parameters=[_FOLDER], responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS})
+    def destroy(self, request: Request, folder: str) -> Response:
         return Response(downloads.cancel_download(_node(request), folder))
 
-
-class DownloadInspect(APIView):
-    """GET /api/downloads/inspect?repo=&revision=: the repo's GGUF variants (no ?node=).
-
-    A token for a private repo comes in the ``X-HF-Token`` header, never the URL.
-    """
-
-    def get(self, request: Request) -> Response:
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("repo", OpenApiTypes.STR, description="org/name of the repo."),
+            OpenApiParameter("revision", OpenApiTypes.STR, description="'main' by default."),
+            OpenApiParameter(
+                "X-HF-Token",
+                OpenApiTypes.STR,
+                OpenApiParameter.HEADER,
+                description="A token for a private repo; never in the URL.",
+            ),
+        ],
+        responses={200: OpenApiTypes.OBJECT, **errors(400, 404, 502)},
+        description="The repo's GGUF variants and the commit the revision names.",
+    )
+    @action(detail=False, methods=["get"])
+    def inspect(self, request: Request) -> Response:
         q = request.query_params
         token = request.headers.get("X-HF-Token")
         return Response(downloads.inspect(q.get("repo"), q.get("revision"), token))
 
 
-class ModelFolderList(APIView):
-    def get(self, request: Request) -> Response:
+@extend_schema(tags=["model-folders"], parameters=[_NODE])
+class ModelFolderViewSet(viewsets.ViewSet):
+    """A node's weights: folders, files, sizes, which ones the system fetched."""
+
+    lookup_url_kwarg = "folder"
+
+    @extend_schema(
+        operation_id="model_folders_list", responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS}
+    )
+    def list(self, request: Request) -> Response:
         return Response(downloads.model_folders(_node(request)))
 
-
-class ModelFolderDetail(APIView):
-    def get(self, request: Request, folder: str) -> Response:
+    @extend_schema(parameters=[_FOLDER], responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS})
+    def retrieve(self, request: Request, folder: str) -> Response:
         return Response(downloads.model_folder(_node(request), folder))
 
 
-class Reclaim(APIView):
-    def get(self, request: Request) -> Response:
+@extend_schema(tags=["model-folders"])
+class ReclaimViewSet(viewsets.ViewSet):
+    """Fetched folders no model uses: list them, or ask a node to delete some."""
+
+    @extend_schema(responses={200: OpenApiTypes.OBJECT})
+    def list(self, request: Request) -> Response:
         return Response(downloads.reclaimable())
 
-    def post(self, request: Request) -> Response:
-        return Response(downloads.reclaim(request.data))
+    @extend_schema(
+        request=ReclaimRequestSerializer,
+        responses={200: OpenApiTypes.OBJECT, **_NODE_ERRORS},
+    )
+    def create(self, request: Request) -> Response:
+        return Response(downloads.reclaim(parse(ReclaimRequestSerializer, request.data)))

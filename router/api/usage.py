@@ -6,13 +6,24 @@ from typing import Any
 
 from django.core.handlers.asgi import ASGIRequest
 from django.http import StreamingHttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework.generics import GenericAPIView
 from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.views import APIView
 
+from core.api_serializers import errors
 from router import usage
+from router.api.serializers import UsageRowSerializer, UsageSummarySerializer
+
+_RANGE = [
+    OpenApiParameter("from", OpenApiTypes.STR, description="A date or an ISO 8601 time."),
+    OpenApiParameter("to", OpenApiTypes.STR, description="A date or an ISO 8601 time."),
+    OpenApiParameter("key", OpenApiTypes.INT, description="Only this key's id."),
+    OpenApiParameter("model", OpenApiTypes.STR, description="Only this served name."),
+]
 
 
 def _query(request: Request) -> dict[str, Any]:
@@ -26,23 +37,14 @@ def _query(request: Request) -> dict[str, Any]:
     }
 
 
-class UsageSummary(APIView):
+@extend_schema(tags=["usage"])
+class UsageSummary(GenericAPIView):
+    serializer_class = UsageSummarySerializer
+
+    @extend_schema(parameters=_RANGE, responses={200: UsageSummarySerializer, **errors(400)})
     def get(self, request: Request) -> Response:
         query = _query(request)
-        rows = usage.usage_summary(**query)
-        items = [
-            {
-                "keyId": r["key_id"],
-                "keyPrefix": r["key_prefix"],
-                "keyName": r["key_name"],
-                "model": r["model"],
-                "requests": r["requests"],
-                "promptTokens": r["prompt_tokens"],
-                "completionTokens": r["completion_tokens"],
-                "totalTokens": r["prompt_tokens"] + r["completion_tokens"],
-            }
-            for r in rows
-        ]
+        items = UsageRowSerializer(usage.usage_summary(**query), many=True).data
         totals = {
             name: sum(item[name] for item in items)
             for name in ("requests", "promptTokens", "completionTokens", "totalTokens")
@@ -66,9 +68,17 @@ class _AnyAccept(DefaultContentNegotiation):
         return renderers[0], renderers[0].media_type
 
 
-class UsageCsv(APIView):
+@extend_schema(tags=["usage"])
+class UsageCsv(GenericAPIView):
     content_negotiation_class = _AnyAccept
 
+    @extend_schema(
+        parameters=_RANGE,
+        responses={
+            (200, "text/csv"): OpenApiResponse(OpenApiTypes.BINARY, description="Hourly rows."),
+            **errors(400),
+        },
+    )
     def get(self, request: Request) -> StreamingHttpResponse:
         query = _query(request)
         # Under ASGI the rows are read batch by batch in the sync thread; the sync

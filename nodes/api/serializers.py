@@ -1,0 +1,205 @@
+"""/api/nodes on the wire: request bodies in, a node with its live state out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+
+from core.api_serializers import (
+    ApiSerializer,
+    IsoDateTime,
+    JsonInt,
+    JsonIntMap,
+    JsonStr,
+    body_error,
+)
+from nodes import status_cache
+from nodes.models import Node
+from nodes.states import registry_state
+
+
+class NodeChangeSerializer(ApiSerializer):
+    """PATCH /api/nodes/{id}: what admission keeps free."""
+
+    memoryReserveBytes = JsonInt(help_text="Host RAM admission keeps free, in bytes.")
+    gpuReserves = JsonIntMap(help_text="Bytes kept free per GPU UUID the node reported.")
+
+
+class MaintenanceSerializer(ApiSerializer):
+    """POST /api/nodes/{id}/maintenance."""
+
+    seconds = JsonInt(help_text="The hold's length, 1 to 604800 (7 days).")
+    reason = JsonStr(help_text="Why; at most 200 characters.")
+
+    def unknown_fields(self, unknown: list[str]) -> ValidationError:
+        return body_error(f"Unknown field(s): {', '.join(unknown)}; use seconds, reason.")
+
+
+class JoinTokenRequestSerializer(ApiSerializer):
+    """POST /api/join-tokens; any other body is read as ``{}``, as it always was."""
+
+    empty_if_not_object = True
+    ignore_unknown = True
+
+    nodeId = JsonStr(help_text="Lower-case letters, digits and '-', at most 40 characters.")
+    lifetimeMinutes = JsonInt(help_text="1 to 10080; the master's default when left out.")
+
+
+class RekeyRequestSerializer(ApiSerializer):
+    """POST /api/nodes/{id}/rekey; any other body is read as ``{}``, as it always was."""
+
+    empty_if_not_object = True
+    ignore_unknown = True
+
+    lifetimeMinutes = JsonInt(help_text="1 to 10080; the master's default when left out.")
+
+
+class TokenSerializer(serializers.Serializer):
+    """A join or rekey token: shown once, with the command to run on the node."""
+
+    nodeId = serializers.CharField()
+    token = serializers.CharField()
+    expiresAt = serializers.CharField()
+    caHash = serializers.CharField()
+    enrollUrl = serializers.CharField()
+    command = serializers.CharField()
+
+
+class MaintenanceHoldSerializer(serializers.Serializer):
+    until = serializers.CharField()
+    secondsLeft = serializers.IntegerField()
+    reason = serializers.CharField()
+
+
+def _status(serializer: serializers.Serializer, node: Node) -> status_cache.NodeStatus:
+    """The node's status record, from the ``statuses`` the view read (empty if none)."""
+    statuses: dict[str, status_cache.NodeStatus | None] = serializer.context.get("statuses") or {}
+    return statuses.get(node.node_id) or {}
+
+
+class NodeSerializer(serializers.Serializer):
+    """A node: its registry fields and the live state from the status cache.
+
+    The view passes ``context={"statuses": {node_id: record}}``.
+    """
+
+    nodeId = serializers.CharField(source="node_id")
+    displayName = serializers.CharField(source="display_name")
+    address = serializers.CharField()
+    approved = serializers.BooleanField()
+    revoked = serializers.BooleanField()
+    draining = serializers.BooleanField()
+    maintenance = serializers.SerializerMethodField()
+    bootstrap = serializers.BooleanField(source="is_bootstrap")
+    enrolled = serializers.BooleanField()
+    state = serializers.SerializerMethodField()
+    fingerprint = serializers.SerializerMethodField()
+    reasons = serializers.SerializerMethodField()
+    lastSeen = serializers.SerializerMethodField()
+    lastError = serializers.SerializerMethodField()
+    fencing = serializers.SerializerMethodField()
+    bootId = serializers.SerializerMethodField()
+    agentVersion = serializers.CharField(source="agent_version")
+    os = serializers.CharField()
+    arch = serializers.CharField()
+    memoryTotalBytes = serializers.IntegerField(source="memory_total_bytes")
+    memoryReserveBytes = serializers.IntegerField(source="memory_reserve_bytes")
+    gpuReserves = serializers.SerializerMethodField()
+    facts = serializers.JSONField()
+    certificateNotAfter = IsoDateTime(source="cert_not_after")
+    telemetry = serializers.SerializerMethodField()
+    instances = serializers.SerializerMethodField()
+    # Redis unreachable: the last status this process read ("last-known", as of
+    # statusAsOf), or none at all ("unknown").
+    statusSource = serializers.SerializerMethodField()
+    stale = serializers.SerializerMethodField()
+    statusAsOf = serializers.SerializerMethodField()
+
+    @extend_schema_field(MaintenanceHoldSerializer(allow_null=True))
+    def get_maintenance(self, node: Node) -> dict[str, Any] | None:
+        left = node.maintenance_left()
+        if not left or node.maintenance_until is None:
+            return None
+        return {
+            "until": node.maintenance_until.isoformat().replace("+00:00", "Z"),
+            "secondsLeft": int(left),
+            "reason": node.maintenance_reason,
+        }
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_state(self, node: Node) -> Any:
+        fixed = registry_state(approved=node.approved, revoked=node.revoked)
+        if fixed is not None:
+            return fixed.value
+        return _status(self, node).get("state", "Offline")
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_fingerprint(self, node: Node) -> str | None:
+        return f"SHA256:{node.spki_pin}" if node.spki_pin else None
+
+    @extend_schema_field({"type": "array", "items": {"type": "string"}})
+    def get_reasons(self, node: Node) -> Any:
+        return _status(self, node).get("reasons", [])
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_lastSeen(self, node: Node) -> Any:
+        return _status(self, node).get("lastSeen")
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_lastError(self, node: Node) -> Any:
+        return _status(self, node).get("lastError", "")
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_fencing(self, node: Node) -> Any:
+        return _status(self, node).get("fencing")
+
+    @extend_schema_field(OpenApiTypes.STR)
+    def get_bootId(self, node: Node) -> Any:
+        return _status(self, node).get("bootId")
+
+    @extend_schema_field({"type": "object", "additionalProperties": {"type": "integer"}})
+    def get_gpuReserves(self, node: Node) -> dict[str, Any]:
+        reported = {
+            g["uuid"]: node.gpu_reserve(g["uuid"])
+            for g in (node.facts or {}).get("gpus") or []
+            if isinstance(g, dict) and isinstance(g.get("uuid"), str)
+        }
+        return reported | dict(node.gpu_reserves or {})
+
+    @extend_schema_field(OpenApiTypes.OBJECT)
+    def get_telemetry(self, node: Node) -> Any:
+        return _status(self, node).get("telemetry") or {}
+
+    @extend_schema_field({"type": "array", "items": {"type": "object"}})
+    def get_instances(self, node: Node) -> list[Any]:
+        return list((_status(self, node).get("instances") or {}).values())
+
+    @extend_schema_field({"type": "string", "enum": ["live", "last-known", "unknown"]})
+    def get_statusSource(self, node: Node) -> str:
+        return status_cache.source(_status(self, node))
+
+    def get_stale(self, node: Node) -> bool:
+        return self.get_statusSource(node) != status_cache.LIVE
+
+    @extend_schema_field(OpenApiTypes.DOUBLE)
+    def get_statusAsOf(self, node: Node) -> Any:
+        return _status(self, node).get("statusAsOf")
+
+
+class NodeListSerializer(serializers.Serializer):
+    nodes = NodeSerializer(many=True)
+    stale = serializers.BooleanField()
+    statusAsOf = serializers.FloatField(allow_null=True)
+
+
+class TakeoverSerializer(serializers.Serializer):
+    """What the explicit fencing takeover did (nodes.services.takeover)."""
+
+    at = serializers.CharField()
+    previousEpoch = serializers.IntegerField(allow_null=True)
+    epoch = serializers.IntegerField()
+    nodes = serializers.DictField(help_text="Per node: the epoch it had, or why unreachable.")

@@ -1,0 +1,110 @@
+"""/api/keys and /api/usage on the wire."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils.dateparse import parse_datetime
+from rest_framework import serializers
+from rest_framework.exceptions import ValidationError
+
+from core.api_serializers import ApiSerializer, IsoDateTime, JsonInt, JsonStr, JsonStrList
+
+
+class KeyWriteSerializer(ApiSerializer):
+    """POST /api/keys and PATCH /api/keys/{id}; ``source`` is router.keys' name.
+
+    The types router.keys cannot judge (a JSON list, an ISO 8601 text) are checked
+    here; the rules (scopes, limits, a future expiry) are router.keys'.
+    """
+
+    name = JsonStr(help_text="1-100 characters.")
+    scopes = JsonStrList(help_text="chat, completions, embeddings, rerank, admin.")
+    models = JsonStrList(source="model_allowlist", help_text="Served names; empty for any.")
+    expiresAt = JsonStr(source="expires_at", help_text="An ISO 8601 time with a zone, or null.")
+    rpmLimit = JsonInt(source="rpm_limit", help_text="Requests per minute, or null.")
+    tpmLimit = JsonInt(source="tpm_limit", help_text="Tokens per minute, or null.")
+    concurrencyLimit = JsonInt(source="concurrency_limit", help_text="In flight, or null.")
+
+    def validate_scopes(self, value: Any) -> Any:
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValidationError("must be a list of strings.")
+        return value
+
+    def validate_expiresAt(self, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            expires = parse_datetime(str(value))
+        except ValueError:  # well-formed but impossible, e.g. month 13
+            expires = None
+        if expires is None or expires.tzinfo is None:
+            raise ValidationError("use an ISO 8601 time with a zone.")
+        return expires
+
+    @classmethod
+    def api_name(cls, source: str) -> str:
+        """The API's name of a service field (``model_allowlist`` is ``models``)."""
+        for name, field in cls().fields.items():
+            if (field.source or name) == source:
+                return name
+        return source
+
+
+class KeySerializer(serializers.Serializer):
+    """An API key as listed; the key itself is shown only once, at creation."""
+
+    id = serializers.IntegerField(source="pk")
+    name = serializers.CharField()
+    prefix = serializers.CharField()
+    scopes = serializers.ListField(child=serializers.CharField())
+    models = serializers.ListField(child=serializers.CharField(), source="model_allowlist")
+    expiresAt = IsoDateTime(source="expires_at", allow_null=True)
+    revokedAt = IsoDateTime(source="revoked_at", allow_null=True)
+    createdAt = IsoDateTime(source="created_at")
+    lastUsedAt = IsoDateTime(source="last_used_at", allow_null=True)
+    rpmLimit = serializers.IntegerField(source="rpm_limit", allow_null=True)
+    tpmLimit = serializers.IntegerField(source="tpm_limit", allow_null=True)
+    concurrencyLimit = serializers.IntegerField(source="concurrency_limit", allow_null=True)
+
+
+class NewKeySerializer(KeySerializer):
+    key = serializers.CharField(help_text="The key itself: shown this once, stored hashed.")
+
+
+class KeyListSerializer(serializers.Serializer):
+    keys = KeySerializer(many=True)
+
+
+class UsageRowSerializer(serializers.Serializer):
+    """One key and model's sums over the range (router.usage.usage_summary's row)."""
+
+    keyId = serializers.IntegerField(source="key_id", allow_null=True)
+    keyPrefix = serializers.CharField(source="key_prefix")
+    keyName = serializers.CharField(source="key_name", allow_null=True)
+    model = serializers.CharField()
+    requests = serializers.IntegerField()
+    promptTokens = serializers.IntegerField(source="prompt_tokens")
+    completionTokens = serializers.IntegerField(source="completion_tokens")
+    totalTokens = serializers.SerializerMethodField()
+
+    def get_totalTokens(self, row: dict[str, Any]) -> int:
+        return int(row["prompt_tokens"] + row["completion_tokens"])
+
+
+class UsageTotalsSerializer(serializers.Serializer):
+    requests = serializers.IntegerField()
+    promptTokens = serializers.IntegerField()
+    completionTokens = serializers.IntegerField()
+    totalTokens = serializers.IntegerField()
+
+
+class UsageSummarySerializer(serializers.Serializer):
+    # "from" is a keyword: the field is declared in get_fields.
+    def get_fields(self) -> dict[str, serializers.Field]:
+        return {
+            "from": serializers.CharField(help_text="The range's start (ISO 8601)."),
+            "to": serializers.CharField(help_text="The range's end (ISO 8601)."),
+            "usage": UsageRowSerializer(many=True),
+            "totals": UsageTotalsSerializer(),
+        }
