@@ -1,0 +1,156 @@
+"""The Django admin: trust fields are read-only, commands are actions through nodes.services."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+from rest_framework.test import APIClient
+
+from models_registry.models import ModelDefinition
+from nodes import services, status_cache
+from nodes.models import JoinToken, Node
+from router import keys
+from router.models import ApiKey
+from tests.factories import make_model, make_node
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def admin_client() -> Client:
+    user = get_user_model().objects.create_user(
+        "root", password="pw-root-1", is_staff=True, is_superuser=True
+    )
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def _change_form(node: Node, **changes: Any) -> dict[str, Any]:
+    """Every field the change form could carry, as a browser would post it."""
+    form = {
+        "node_id": node.node_id,
+        "display_name": node.display_name,
+        "address": node.address,
+        "memory_reserve_bytes": node.memory_reserve_bytes,
+        "gpu_reserves": "{}",
+        "facts": "{}",
+    }
+    form.update(changes)
+    return {k: v for k, v in form.items() if v is not False}
+
+
+def _act(client: Client, url: str, action: str, *pks: int) -> Any:
+    return client.post(url, {"action": action, "_selected_action": [str(p) for p in pks]})
+
+
+def _pending_token(node_id: str) -> None:
+    services.create_token(node_id=node_id, purpose="rekey", lifetime=dt.timedelta(hours=1))
+
+
+def test_the_change_form_cannot_approve_revoke_or_repin(admin_client: Client) -> None:
+    node = make_node("n1", approved=False, spki_pin="pin-n1")
+    answer = admin_client.post(
+        f"/admin/nodes/node/{node.pk}/change/",
+        _change_form(
+            node,
+            display_name="rack 4",
+            approved="on",
+            revoked="on",
+            draining="on",
+            spki_pin="attacker-pin",
+            node_id="other",
+        ),
+    )
+    assert answer.status_code == 302, answer.content[:2000]
+    node.refresh_from_db()
+    assert node.display_name == "rack 4"  # the form itself works
+    assert (node.approved, node.revoked, node.draining) == (False, False, False)
+    assert (node.spki_pin, node.node_id) == ("pin-n1", "n1")
+
+
+def test_approve_action_approves_through_the_service(admin_client: Client) -> None:
+    enrolled = make_node("n1", approved=False, spki_pin="pin-n1")
+    never = make_node("n2", approved=False, spki_pin="")
+    revoked = make_node("n3", approved=False, revoked=True, spki_pin="")
+    answer = _act(admin_client, "/admin/nodes/node/", "approve", enrolled.pk, never.pk, revoked.pk)
+    assert answer.status_code == 302
+    approved = dict(Node.objects.values_list("node_id", "approved"))
+    # The service's rules hold: one never enrolled or revoked is not approved.
+    assert approved == {"n1": True, "n2": False, "n3": False}
+    shown = [str(m) for m in answer.wsgi_request._messages]
+    assert any("n2" in m and "has not enrolled yet" in m for m in shown), shown
+    assert any("n3" in m and "is revoked" in m for m in shown), shown
+
+
+def test_revoke_action_does_what_the_api_does(
+    admin_client: Client, operator_client: APIClient, status_redis: object
+) -> None:
+    by_admin = make_node("n1", pending_pin="next-n1")
+    by_api = make_node("n2", pending_pin="next-n2")
+    for node in (by_admin, by_api):
+        _pending_token(node.node_id)
+    assert _act(admin_client, "/admin/nodes/node/", "revoke", by_admin.pk).status_code == 302
+    assert operator_client.post("/api/nodes/n2/revoke").status_code == 200
+    for node_id in ("n1", "n2"):
+        node = Node.objects.get(node_id=node_id)
+        assert (node.revoked, node.spki_pin, node.pending_pin) == (True, "", "")
+        assert not JoinToken.objects.filter(node_id=node_id, used_at__isnull=True).exists()
+        assert (status_cache.read(node_id) or {}).get("state") == "Revoked"
+
+
+def test_drain_actions_go_through_the_service(admin_client: Client) -> None:
+    node = make_node("n1")
+    _act(admin_client, "/admin/nodes/node/", "drain", node.pk)
+    assert Node.objects.get(pk=node.pk).draining is True
+    _act(admin_client, "/admin/nodes/node/", "undrain", node.pk)
+    assert Node.objects.get(pk=node.pk).draining is False
+
+
+def test_nodes_and_tokens_are_not_added_in_the_admin(admin_client: Client) -> None:
+    assert admin_client.get("/admin/nodes/node/add/").status_code == 403
+    assert admin_client.get("/admin/nodes/jointoken/add/").status_code == 403
+    assert admin_client.get("/admin/router/apikey/add/").status_code == 403
+
+
+def test_key_hash_scopes_and_revocation_are_read_only(admin_client: Client) -> None:
+    row, _ = keys.create_key(name="k", scopes=["chat"])
+    answer = admin_client.post(
+        f"/admin/router/apikey/{row.pk}/change/",
+        {
+            "name": "renamed",
+            "model_allowlist": "[]",
+            "scopes": '["admin", "chat"]',
+            "key_hash": "0" * 64,
+            "revoked_at_0": "2020-01-01",
+            "revoked_at_1": "00:00:00",
+        },
+    )
+    assert answer.status_code == 302, answer.content[:2000]
+    after = ApiKey.objects.get(pk=row.pk)
+    assert after.name == "renamed"
+    assert (after.scopes, after.key_hash, after.revoked_at) == (["chat"], row.key_hash, None)
+
+
+def test_key_revoke_action_revokes_through_router_keys(admin_client: Client) -> None:
+    row, key = keys.create_key(name="k", scopes=["chat"])
+    assert keys.lookup(key) is not None
+    _act(admin_client, "/admin/router/apikey/", "revoke", row.pk)
+    assert ApiKey.objects.get(pk=row.pk).revoked_at is not None
+    assert keys.lookup(key) is None
+
+
+def test_desired_state_is_read_only_and_start_is_a_lifecycle_action(admin_client: Client) -> None:
+    model = make_model("m1")
+    form = admin_client.get(f"/admin/models_registry/modeldefinition/{model.pk}/change/")
+    assert form.status_code == 200
+    assert b'name="desired_state"' not in form.content
+    # Unplaced: the lifecycle refuses the start (as POST /api/models/{id}/start does).
+    answer = _act(admin_client, "/admin/models_registry/modeldefinition/", "start", model.pk)
+    shown = [str(m) for m in answer.wsgi_request._messages]
+    assert any("has no placement; place it first" in m for m in shown), shown
+    assert ModelDefinition.objects.get(pk=model.pk).desired_state == "stopped"
