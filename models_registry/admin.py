@@ -13,7 +13,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from models_registry import lifecycle
 from models_registry.models import ModelDefinition, Placement
 

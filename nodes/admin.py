@@ -14,7 +14,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from mirbad_site.errors import ServiceError
+from core.errors import ServiceError
 from nodes import services
 from nodes.models import JoinToken, Node
 
