@@ -19,7 +19,6 @@ Public surface (everything else lives in private modules and may change)::
 """
 
 from agent._config import AgentConfig, ExecutableEntry, load_config
-from agent._enroll import bootstrap_enroll, join
 from agent._errors import (
     AgentError,
     ApiError,
@@ -42,11 +41,11 @@ from agent._errors import (
     UntrustedEnrollEndpoint,
     UpstreamUnavailable,
 )
-from agent._install import install_llama_server
-from agent._leftovers import stop_recorded_engines
 from agent._run import run_agent, serve
-from agent._server import AgentServer
 from agent._version import PROTOCOL_VERSIONS, __version__
+from agent.engines import install_llama_server, stop_recorded_engines
+from agent.http import AgentServer
+from agent.identity import bootstrap_enroll, join
 
 __all__ = [
     "PROTOCOL_VERSIONS",

@@ -22,12 +22,11 @@ import sys
 from pathlib import Path
 
 from agent._config import load_config, normalize_address
-from agent._enroll import join
 from agent._errors import AgentError, ConfigError
-from agent._install import install_llama_server
-from agent._leftovers import stop_recorded_engines
 from agent._run import configure_logging, run_agent
 from agent._version import PROTOCOL_VERSIONS, __version__
+from agent.engines import install_llama_server, stop_recorded_engines
+from agent.identity import join
 from protocol.names import node_id_problem
 
 EXIT_CONFIG = 2

@@ -11,10 +11,9 @@ import sys
 from collections.abc import Callable
 
 from agent._config import AgentConfig
-from agent._enroll import bootstrap_enroll
 from agent._errors import AgentError
-from agent._identity import Identity, ensure_state_directory
-from agent._server import AgentServer
+from agent.http import AgentServer
+from agent.identity import Identity, bootstrap_enroll, ensure_state_directory
 
 __all__ = ["configure_logging", "run_agent", "serve"]
 

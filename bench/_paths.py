@@ -48,7 +48,7 @@ class MirbadStack:
         return f"http://127.0.0.1:{self.port}"
 
     def prepare(self) -> None:
-        from agent._executables import write_manifest
+        from agent.engines._executables import write_manifest
         from protocol.tinygguf import write_tiny_gguf
 
         self.data.mkdir(mode=0o700)

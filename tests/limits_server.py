@@ -97,8 +97,8 @@ async def enroll() -> None:
 async def agent() -> None:
     from aiohttp import web as aioweb
 
-    from agent._front import FrontListener
-    from agent._proxy import Proxy, Upstream
+    from agent.http._front import FrontListener
+    from agent.http._proxy import Proxy, Upstream
     from protocol.http_limits import HttpLimits
 
     def resolve(instance_id: str) -> Upstream:

@@ -17,11 +17,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from agent._config import AgentConfig
-from agent._events import EventBus
-from agent._executables import Catalogue
-from agent._identity import Identity, load_identity, store_identity
-from agent._process import ProcessRuntime
-from agent._server import AgentServer
+from agent.engines._executables import Catalogue
+from agent.engines.process._runtime import ProcessRuntime
+from agent.http._server import AgentServer
+from agent.identity._tls import Identity, load_identity, store_identity
+from agent.state._events import EventBus
 from protocol.identity import node_spiffe_id
 
 MASTER_URI = "spiffe://mirbadllm/master"

@@ -33,8 +33,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from download_support import bus, hub, make_manager, manager, tiny_gguf  # noqa: F401
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._executables import write_manifest
-from agent._server import AgentServer
+from agent.engines._executables import write_manifest
+from agent.http._server import AgentServer
 
 
 @pytest.fixture(scope="session")

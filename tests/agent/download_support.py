@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from agent_support import RunningAgent
 
-from agent._downloads import DownloadManager
-from agent._events import Event, EventBus, Subscription
+from agent.state._events import Event, EventBus, Subscription
+from agent.weights._downloads import DownloadManager
 from protocol.tinygguf import write_tiny_gguf
 from tests.fakehub import FakeHub
 

@@ -33,9 +33,9 @@ from agent_support import (
 )
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._process import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
-from agent._reconcile import argv_digest, matches_record, observe
-from agent._spec import parse_launch_spec
+from agent.engines._spec import parse_launch_spec
+from agent.engines.process._reconcile import argv_digest, matches_record, observe
+from agent.engines.process._runtime import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
 from protocol.tinygguf import write_tiny_gguf
 
 pytestmark = pytest.mark.timeout(60)
@@ -286,7 +286,7 @@ async def test_launch_records_a_pending_start_before_the_process(
     runtime_factory: Any, state_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The record on disk at the moment the engine is started is a pending start."""
-    import agent._process as process_module
+    import agent.engines.process._runtime as process_module
 
     seen: list[dict[str, Any]] = []
     real_start = process_module.EngineProcess.start

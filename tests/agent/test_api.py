@@ -12,8 +12,8 @@ import pytest
 from agent_support import RunningAgent, launch_body
 
 from agent import __version__
-from agent._events import EventBus
-from agent._telemetry import HealthMonitor
+from agent.state._events import EventBus
+from agent.telemetry._host import HealthMonitor
 from protocol.versions import PROTOCOL_VERSIONS
 
 pytestmark = pytest.mark.timeout(30)
@@ -201,7 +201,7 @@ async def test_unknown_instance(running_agent: RunningAgent) -> None:
 
 
 async def test_mutations_finish_when_the_client_hangs_up() -> None:
-    from agent._server import _complete
+    from agent.http._server import _complete
 
     finished = asyncio.Event()
 

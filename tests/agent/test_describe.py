@@ -11,7 +11,7 @@ import pytest
 from agent_support import RunningAgent
 
 from agent import load_config
-from agent._describe import describe, docker_reachable, probe_gpus
+from agent.telemetry._describe import describe, docker_reachable, probe_gpus
 
 
 def test_describe_reports_cpu_memory_disks(tmp_path: Path) -> None:

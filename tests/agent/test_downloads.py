@@ -24,7 +24,6 @@ from download_support import (
     until,
 )
 
-from agent._downloads import MANIFEST_NAME, DownloadManager
 from agent._errors import (
     DownloadRunning,
     FolderExists,
@@ -33,9 +32,10 @@ from agent._errors import (
     NothingToDownload,
     NotSupported,
 )
-from agent._events import EventBus
-from agent._gguf import read_summary
-from agent._spec import check_relative_name, confined_path
+from agent.engines._spec import check_relative_name, confined_path
+from agent.state._events import EventBus
+from agent.weights._downloads import MANIFEST_NAME, DownloadManager
+from agent.weights._gguf import read_summary
 from tests.fakehub import FakeHub
 
 pytestmark = pytest.mark.timeout(60)

@@ -25,7 +25,7 @@ from download_support import (
 from test_end_to_end import start_agent
 
 from agent._config import AgentConfig
-from agent._oplog import describe_request, redact_body
+from agent.state._oplog import describe_request, redact_body
 from tests.fakehub import FakeHub
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,7 +21,7 @@ from agent_support import (
 )
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._server import AgentServer
+from agent.http._server import AgentServer
 from protocol.tinygguf import write_tiny_gguf
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]

@@ -24,8 +24,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from agent import EnrollmentError, TokenRefused, UntrustedEnrollEndpoint, __version__
 from agent.__main__ import main
 from agent._config import AgentConfig
-from agent._enroll import bootstrap_enroll, join
-from agent._identity import has_identity, load_identity
+from agent.identity._enroll import bootstrap_enroll, join
+from agent.identity._tls import has_identity, load_identity
 from protocol.identity import spki_sha256
 
 pytestmark = pytest.mark.timeout(30)

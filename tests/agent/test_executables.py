@@ -10,7 +10,7 @@ import pytest
 
 from agent import ExecutableUnverified, SpecRejected
 from agent._config import ExecutableEntry
-from agent._executables import Catalogue, verify_folder, write_manifest
+from agent.engines._executables import Catalogue, verify_folder, write_manifest
 
 
 def make_folder(root: Path, version: str = "1.0") -> ExecutableEntry:

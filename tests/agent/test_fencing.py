@@ -8,7 +8,7 @@ import json
 import pytest
 from agent_support import RunningAgent, master_headers
 
-from agent._fencing import Fencing
+from agent.state._fencing import Fencing
 
 
 async def _stop(agent: RunningAgent, headers: dict[str, str]) -> tuple[int, dict]:

@@ -16,8 +16,8 @@ from agent_support import RunningAgent, client_context
 from aiohttp import web
 
 from agent import ConfigError, load_config
-from agent._front import FrontListener
-from agent._proxy import Proxy, Upstream
+from agent.http._front import FrontListener
+from agent.http._proxy import Proxy, Upstream
 from protocol.http_limits import HttpLimits, aiohttp_handler_limits
 from tests.http_attacks import (
     BIG_HEADER,

@@ -9,7 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 
-from agent._gguf import GgufInvalid, read_header, summary
+from agent.weights._gguf import GgufInvalid, read_header, summary
 from protocol.tinygguf import write_tiny_gguf
 
 

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from agent._gguf import GgufInvalid, is_model_file, read_summary
+from agent.weights._gguf import GgufInvalid, is_model_file, read_summary
 
 
 def write_part(path: Path, *, index: int, count: int, elements: int) -> None:

@@ -26,14 +26,14 @@ import psutil
 import pytest
 from agent_support import FAKE_ENGINE, RunningAgent, launch_body, start_runtime
 
-import agent._describe
+import agent.telemetry._describe
 from agent import InvalidRequest, SpecRejected
 from agent._config import AgentConfig, ExecutableEntry
-from agent._describe import GpuSampler, group_rss
-from agent._events import EventBus
-from agent._executables import write_manifest
-from agent._process import ProcessRuntime
-from agent._spec import fingerprint, parse_launch_spec
+from agent.engines._executables import write_manifest
+from agent.engines._spec import fingerprint, parse_launch_spec
+from agent.engines.process._runtime import ProcessRuntime
+from agent.state._events import EventBus
+from agent.telemetry._describe import GpuSampler, group_rss
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -248,7 +248,9 @@ async def test_unknown_gpu_is_refused_naming_what_the_node_has(
     }
     assert runtime.list() == []
     # A node without nvidia-smi has no GPU to pin.
-    bare = await runtime_factory(gpu_probe=lambda: ([], agent._describe.NVIDIA_SMI_ABSENT))
+    bare = await runtime_factory(
+        gpu_probe=lambda: ([], agent.telemetry._describe.NVIDIA_SMI_ABSENT)
+    )
     with pytest.raises(SpecRejected, match="it has none: nvidia-smi is not installed"):
         await bare.launch(launch_body(gpuUuids=[G1]))
     smi.error = "nvidia-smi exited with 9: driver wedged"
@@ -588,7 +590,10 @@ async def test_sampler_never_blocks_and_probes_once_at_a_time() -> None:
 
 async def test_sampler_logs_each_problem_once(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="mirbad.agent.describe")
-    answer: tuple[list[dict[str, Any]], str | None] = ([], agent._describe.NVIDIA_SMI_ABSENT)
+    answer: tuple[list[dict[str, Any]], str | None] = (
+        [],
+        agent.telemetry._describe.NVIDIA_SMI_ABSENT,
+    )
     sampler = GpuSampler(lambda: answer, max_age=0.0)
     for _ in range(3):
         assert await sampler.sample() == ([], None)  # absent is not an error
@@ -622,7 +627,7 @@ async def test_heartbeat_carries_gpus(
     running_agent: RunningAgent, smi: FakeSmi, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The server's runtime uses the module's probe_gpus, looked up at each probe.
-    monkeypatch.setattr(agent._describe, "probe_gpus", smi)
+    monkeypatch.setattr(agent.telemetry._describe, "probe_gpus", smi)
     sampler = running_agent.server.runtime.gpus
     await sampler.sample()
     beat = await next_heartbeat(running_agent)
@@ -640,7 +645,9 @@ async def test_heartbeat_carries_gpus(
     beat = await next_heartbeat(running_agent)
     assert beat["gpus"] == [] and beat["gpuProbeError"] == "nvidia-smi exited with 9: wedged"
     monkeypatch.setattr(
-        agent._describe, "probe_gpus", lambda: ([], agent._describe.NVIDIA_SMI_ABSENT)
+        agent.telemetry._describe,
+        "probe_gpus",
+        lambda: ([], agent.telemetry._describe.NVIDIA_SMI_ABSENT),
     )
     await sampler.sample()
     beat = await next_heartbeat(running_agent)
@@ -650,7 +657,7 @@ async def test_heartbeat_carries_gpus(
 async def test_launch_api_checks_gpu_uuids(
     running_agent: RunningAgent, smi: FakeSmi, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(agent._describe, "probe_gpus", smi)
+    monkeypatch.setattr(agent.telemetry._describe, "probe_gpus", smi)
     await running_agent.server.runtime.gpus.sample()
     url = running_agent.url("/agent/v1/instances")
     async with running_agent.session.post(url, json=launch_body(gpuUuids=["nope"])) as resp:

@@ -14,7 +14,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from agent import ClientNotMaster, IdentityError
-from agent._identity import (
+from agent.identity._tls import (
     check_master_client_cert,
     generate_key_and_csr,
     has_identity,

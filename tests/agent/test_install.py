@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from agent import InstallError
-from agent._executables import verify_folder
-from agent._install import (
+from agent.engines._executables import verify_folder
+from agent.engines._install import (
     CMAKE_FLAGS,
     PACKAGE_VERSION,
     ensure_build,

@@ -25,8 +25,8 @@ from agent_support import (
 )
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._executables import write_manifest
-from agent._server import AgentServer
+from agent.engines._executables import write_manifest
+from agent.http._server import AgentServer
 from protocol.engine_flags import ENGINE_FLAG_TABLES, EngineFlags, engine_flags
 from protocol.tinygguf import write_tiny_gguf
 from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS, MCP_JSON

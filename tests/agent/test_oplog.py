@@ -13,7 +13,7 @@ from agent_support import RunningAgent, launch_body
 from test_end_to_end import start_agent
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._oplog import OperationLog
+from agent.state._oplog import OperationLog
 
 
 async def _wait_state(agent: RunningAgent, instance_id: str, state: str) -> None:

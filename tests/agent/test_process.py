@@ -17,13 +17,13 @@ import psutil
 import pytest
 from agent_support import launch_body, start_runtime
 
-import agent._adoption
+import agent.engines.process._adoption
 from agent import Conflict
 from agent._config import AgentConfig, ExecutableEntry
-from agent._engine import AdoptedProcess, EngineProcess
-from agent._events import EventBus
-from agent._executables import Catalogue, write_manifest
-from agent._process import ProcessRuntime
+from agent.engines._executables import Catalogue, write_manifest
+from agent.engines.process._handle import AdoptedProcess, EngineProcess
+from agent.engines.process._runtime import ProcessRuntime
+from agent.state._events import EventBus
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -244,7 +244,7 @@ async def test_adopted_engine_exit_seen_by_polling(
     runtime_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ready = await left_running(runtime_factory)
-    monkeypatch.setattr(agent._adoption, "open_pidfd", lambda pid: None)
+    monkeypatch.setattr(agent.engines.process._adoption, "open_pidfd", lambda pid: None)
     restarted = await runtime_factory(restart_budget=0)
     inst = restarted.get("m-1")
     assert isinstance(inst.proc, AdoptedProcess) and not inst.proc.watched_by_pidfd

@@ -15,9 +15,9 @@ import pytest
 from aiohttp import web
 
 from agent import ModelNotRunning
-from agent._front import FrontListener
-from agent._proxy import LLAMA_AUTO_SLOTS, Proxy, Upstream, engine_slots
-from agent._server import error_middleware
+from agent.http._front import FrontListener
+from agent.http._proxy import LLAMA_AUTO_SLOTS, Proxy, Upstream, engine_slots
+from agent.http._server import error_middleware
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -20,9 +20,9 @@ import uvloop
 from agent_support import Pki, client_context, make_identity
 
 from agent._config import AgentConfig
-from agent._identity import handshake_refusal, server_ssl_context
-from agent._refusals import RefusalLog, peer_address
-from agent._server import AgentServer
+from agent.http._refusals import RefusalLog, peer_address
+from agent.http._server import AgentServer
+from agent.identity._tls import handshake_refusal, server_ssl_context
 
 pytestmark = pytest.mark.timeout(60)
 

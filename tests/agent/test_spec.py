@@ -9,7 +9,7 @@ import pytest
 from agent_support import launch_body
 
 from agent import InvalidRequest, SpecRejected
-from agent._spec import (
+from agent.engines._spec import (
     check_args,
     check_env,
     fingerprint,

@@ -18,9 +18,9 @@ from download_support import (
 from test_end_to_end import start_agent, wait_ready
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent._downloads import MANIFEST_NAME, DownloadManager
 from agent._errors import FolderInUse, InvalidRequest, NotFetched, NotFound
-from agent._weights import Weights
+from agent.weights._downloads import MANIFEST_NAME, DownloadManager
+from agent.weights._inventory import Weights
 from tests.fakehub import FakeHub, HubRepo
 
 pytestmark = pytest.mark.timeout(60)

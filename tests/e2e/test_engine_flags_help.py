@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agent._install import probe_version
+from agent.engines._install import probe_version
 from protocol.engine_flags import ENGINE_FLAG_TABLES, engine_flags
 from tests.e2e.conftest import llama_server_or_fail
 

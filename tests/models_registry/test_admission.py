@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agent._gguf import read_summary
+from agent.weights._gguf import read_summary
 from core.errors import ServiceError
 from models_registry import admission, llamacpp
 from nodes.models import Node

@@ -9,7 +9,7 @@ import pytest
 from asgiref.sync import sync_to_async
 from rest_framework.test import APIClient
 
-from agent._spec import fingerprint, parse_launch_spec
+from agent.engines._spec import fingerprint, parse_launch_spec
 from models_registry import lifecycle
 from models_registry.models import MemorySample, ModelDefinition, Placement
 from nodes.models import Node

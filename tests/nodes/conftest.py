@@ -11,7 +11,7 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from agent import AgentConfig, AgentServer
-from agent._identity import generate_key_and_csr, load_identity, store_identity
+from agent.identity._tls import generate_key_and_csr, load_identity, store_identity
 from nodes import services
 from nodes.models import Node
 

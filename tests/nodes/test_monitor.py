@@ -105,9 +105,9 @@ async def test_another_node_id_is_refused(enrolled: Enrolled) -> None:
 async def test_no_common_protocol_is_incompatible(
     enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import agent._server
+    import agent.http._server
 
-    monkeypatch.setattr(agent._server, "PROTOCOL_VERSIONS", (99,))
+    monkeypatch.setattr(agent.http._server, "PROTOCOL_VERSIONS", (99,))
     worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
     try:
         await worker.connect()

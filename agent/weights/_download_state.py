@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agent._errors import InvalidRequest, NotSupported
-from agent._spec import check_folder_name
 from agent._util import iso_time
+from agent.engines import check_folder_name
 
 __all__ = [
     "ACTIVE",

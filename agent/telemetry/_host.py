@@ -18,8 +18,8 @@ from typing import Any
 
 import psutil
 
-from agent._events import EventBus
 from agent._util import utc_now_iso
+from agent.state import EventBus
 
 __all__ = ["HealthMonitor", "Telemetry", "host_facts"]
 

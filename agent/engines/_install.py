@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from agent._errors import InstallError
-from agent._executables import MANIFEST_NAME, verify_folder, write_manifest
+from agent.engines._executables import MANIFEST_NAME, verify_folder, write_manifest
 
 __all__ = [
     "PACKAGE",

@@ -2,7 +2,7 @@
 
 The inventory lists every folder under the models root with its files and sizes, and
 says which are *fetched*: a folder is fetched when its ``.mirbad-fetched.json``
-manifest (written by :mod:`agent._downloads` at finalize) exists and the folder holds
+manifest (written by :mod:`agent.weights._downloads` at finalize) exists and the folder holds
 exactly the files it lists, at the sizes it lists. A file the operator added makes the
 folder not wholly ours; that file is reported ``"fetched": false``.
 
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agent._downloads import MANIFEST_NAME, PARTIAL_SUFFIX
 from agent._errors import ApiError, FolderInUse, InvalidRequest, NotFetched, NotFound
-from agent._spec import check_folder_name, check_relative_name, confined_path
+from agent.engines import check_folder_name, check_relative_name, confined_path
+from agent.weights._downloads import MANIFEST_NAME, PARTIAL_SUFFIX
 
 __all__ = ["ReclaimPlan", "Weights", "describe_folder", "read_manifest"]
 

@@ -43,8 +43,8 @@ from agent._errors import (
     UpstreamUnavailable,
     WireError,
 )
-from agent._identity import handshake_refusal
-from agent._proxy import Proxy, Upstream, request_headers, response_headers, split_target
+from agent.http._proxy import Proxy, Upstream, request_headers, response_headers, split_target
+from agent.identity import handshake_refusal
 from protocol.http_limits import (
     KEEPALIVE_SECONDS,
     ConnectionGate,
@@ -174,7 +174,7 @@ class ProxyFront(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
         if handshake_refusal(transport.get_extra_info("ssl_object")) is not None:
             # The TLS handshake failed: the verdict logs it, and the close sends the
-            # alert (agent._identity._AlertingSSLObject). Nothing is read from it.
+            # alert (agent.identity._tls._AlertingSSLObject). Nothing is read from it.
             self._verdict(transport)
             self.transport.close()
             return

@@ -5,16 +5,16 @@ into ``{ModelsRoot}/{folder}.partial/``, verifies each one, writes the manifest
 ``.mirbad-fetched.json`` (the source, and every file's name, size and SHA-256), and
 renames the directory to ``{ModelsRoot}/{folder}`` in one step, so a folder is either
 absent or complete. The manifest is what marks a folder as fetched by the system;
-:mod:`agent._weights` reclaims only such folders.
+:mod:`agent.weights._inventory` reclaims only such folders.
 
 This module owns the API's logic (the checks and refusals of POST, GET and DELETE
 /downloads), the asyncio tasks (at most ``max_running`` at once, the rest Queued),
 the layout in the models root and ``{StateDirectory}/downloads.json``. The hub side,
 and why the bytes move through aiohttp rather than ``hf_hub_download``, is in
-:mod:`agent._hubfetch`; the records are in :mod:`agent._download_state`.
+:mod:`agent.weights._hubfetch`; the records are in :mod:`agent.weights._download_state`.
 
 The Hugging Face token arrives in the POST body and lives only on the in-memory
-:class:`~agent._download_state.Download`: never in ``downloads.json``, an answer, an
+:class:`~agent.weights._download_state.Download`: never in ``downloads.json``, an answer, an
 event or a log line, and it is dropped when the download ends. So a restart cannot
 resume a download that needed one: it comes back Failed with an error that starts
 ``Paused (needs token)``, and POSTing it again with the token resumes it from the
@@ -37,16 +37,6 @@ from typing import Any
 import aiohttp
 import psutil
 
-from agent._download_state import (
-    ACTIVE,
-    CANCELLED,
-    COMPLETED,
-    FAILED,
-    RUNNING,
-    Download,
-    DownloadRequest,
-    parse_request,
-)
 from agent._errors import (
     ApiError,
     DownloadRunning,
@@ -56,10 +46,20 @@ from agent._errors import (
     NothingToDownload,
     StateUnavailable,
 )
-from agent._events import EventBus
-from agent._hubfetch import DownloadFailed, HubClient
-from agent._spec import check_folder_name, check_relative_name, confined_path
 from agent._util import iso_time
+from agent.engines import check_folder_name, check_relative_name, confined_path
+from agent.state import EventBus
+from agent.weights._download_state import (
+    ACTIVE,
+    CANCELLED,
+    COMPLETED,
+    FAILED,
+    RUNNING,
+    Download,
+    DownloadRequest,
+    parse_request,
+)
+from agent.weights._hubfetch import DownloadFailed, HubClient
 from protocol.atomic import fsync_directory, write_atomic
 
 __all__ = ["MANIFEST_NAME", "PARTIAL_SUFFIX", "STATE_FILE", "DownloadManager"]

@@ -4,9 +4,9 @@ Whoever supervises the agent (``./mirbad up``) calls this after the agent is
 gone, so stopping the stack stops the engines too even when the agent was
 killed and could not stop them itself. A process is stopped only when it is
 provably one of the records, by the same proof adoption uses
-(:func:`agent._reconcile.matches_record`: pid, creation time, program, argv
+(:func:`agent.engines.process._reconcile.matches_record`: pid, creation time, program, argv
 digest), or, for a start whose pid was never recorded, by
-:func:`agent._reconcile.scan`'s pending rule. Anything else is left alone.
+:func:`agent.engines.process._reconcile.scan`'s pending rule. Anything else is left alone.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ from __future__ import annotations
 import logging
 import os
 
-from agent._adoption import read_records, runtime_folders
 from agent._config import AgentConfig
-from agent._instance import PROCESSES_FILE, READY, STARTING
-from agent._reconcile import Observed, Pending, matches_record, observe, scan, stop_group
+from agent.engines.process._adoption import runtime_folders
+from agent.engines.process._instance import READY, STARTING
+from agent.engines.process._reconcile import (
+    Observed,
+    Pending,
+    matches_record,
+    observe,
+    scan,
+    stop_group,
+)
+from agent.engines.process._records import PROCESSES_FILE, read_records
 
 __all__ = ["stop_recorded_engines"]
 

@@ -8,11 +8,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from agent._engine import AdoptedProcess, EngineProcess
-from agent._executables import ExecutableInfo
-from agent._measure import Measured
-from agent._spec import LaunchSpec, fingerprint
 from agent._util import iso_time
+from agent.engines._executables import ExecutableInfo
+from agent.engines._measure import Measured
+from agent.engines._spec import LaunchSpec, fingerprint
+from agent.engines.process._handle import AdoptedProcess, EngineProcess
 from protocol.states import InstanceState
 
 __all__ = [
@@ -20,7 +20,6 @@ __all__ = [
     "GONE_ERROR",
     "PENDING_ERROR",
     "PENDING_STOPPED_ERROR",
-    "PROCESSES_FILE",
     "QUEUED_ERROR",
     "READY",
     "STARTING",
@@ -34,7 +33,6 @@ STARTING, READY, FAILED, STOPPED = (
     InstanceState.FAILED,
     InstanceState.STOPPED,
 )
-PROCESSES_FILE = "processes.json"
 GONE_ERROR = "The engine was gone after the agent restarted."
 PENDING_ERROR = "The agent restarted while it was starting the engine."
 PENDING_STOPPED_ERROR = (

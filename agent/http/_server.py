@@ -21,8 +21,6 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from agent._config import AgentConfig
-from agent._describe import describe, disks, docker_reachable, memory, probe_gpus
-from agent._downloads import DownloadManager
 from agent._errors import (
     ERROR_HEADER,
     ApiError,
@@ -32,26 +30,25 @@ from agent._errors import (
     MethodNotAllowed,
     NotFound,
 )
-from agent._events import EventBus
-from agent._executables import Catalogue
-from agent._fencing import Fencing
-from agent._front import FrontListener
-from agent._gguf import is_model_file, read_summary
-from agent._identity import (
-    Identity,
-    check_master_client_cert,
-    handshake_refusal,
-    server_ssl_context,
-)
-from agent._oplog import OPERATION_HEADER, OperationLog, describe_request
-from agent._process import ProcessRuntime
-from agent._proxy import Proxy, Upstream, engine_slots
-from agent._refusals import RefusalLog
-from agent._spec import check_folder_name, resolve_model_path
-from agent._telemetry import HealthMonitor, Telemetry, host_facts
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
-from agent._weights import Weights
+from agent.engines import Catalogue, ProcessRuntime, check_folder_name, resolve_model_path
+from agent.http._front import FrontListener
+from agent.http._proxy import Proxy, Upstream, engine_slots
+from agent.http._refusals import RefusalLog
+from agent.identity import Identity, check_master_client_cert, handshake_refusal, server_ssl_context
+from agent.state import OPERATION_HEADER, EventBus, Fencing, OperationLog, describe_request
+from agent.telemetry import (
+    HealthMonitor,
+    Telemetry,
+    describe,
+    disks,
+    docker_reachable,
+    host_facts,
+    memory,
+    probe_gpus,
+)
+from agent.weights import DownloadManager, Weights, is_model_file, read_summary
 from protocol.fencing import MASTER_HEADER, TIME_HEADER
 from protocol.http_limits import aiohttp_handler_limits
 

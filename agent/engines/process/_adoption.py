@@ -1,6 +1,6 @@
 """Adoption after an agent restart: the part of the process runtime that reads the
 previous run's ``processes.json`` and decides, per record, adopt / gone / stop orphan
-(see :mod:`agent._process` for the rules and :mod:`agent._reconcile` for how a
+(see :mod:`agent.engines.process._runtime` for the rules and :mod:`agent.engines.process._reconcile` for how a
 process is identified).
 """
 
@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent._engine import AdoptedProcess, PortAllocator, open_pidfd
 from agent._errors import SpecRejected
-from agent._events import EventBus
-from agent._executables import Catalogue
-from agent._instance import (
+from agent.engines._executables import Catalogue
+from agent.engines._measure import Measured, is_int
+from agent.engines._spec import check_args, parse_launch_spec, resolve_model_path
+from agent.engines.process._handle import AdoptedProcess, PortAllocator, open_pidfd
+from agent.engines.process._instance import (
     FAILED,
     GONE_ERROR,
     PENDING_ERROR,
@@ -29,14 +29,21 @@ from agent._instance import (
     STOPPED,
     Instance,
 )
-from agent._measure import Measured, is_int
-from agent._reconcile import Observed, Pending, matches_record, observe, scan, stop_group
-from agent._spec import check_args, parse_launch_spec, resolve_model_path
+from agent.engines.process._reconcile import (
+    Observed,
+    Pending,
+    matches_record,
+    observe,
+    scan,
+    stop_group,
+)
+from agent.engines.process._records import read_records
+from agent.state import EventBus
 
 if TYPE_CHECKING:
     from agent._config import AgentConfig
 
-__all__ = ["Adoption", "read_records", "runtime_folders"]
+__all__ = ["Adoption", "runtime_folders"]
 
 log = logging.getLogger("mirbad.agent.process")
 
@@ -44,25 +51,6 @@ log = logging.getLogger("mirbad.agent.process")
 def runtime_folders(config: AgentConfig) -> list[Path]:
     """The configured executables' folders: only processes run from there can be ours."""
     return sorted({entry.path.parent.resolve() for entry in config.executables})
-
-
-def read_records(state_file: Path, *, unreadable: str) -> list[dict[str, Any]] | None:
-    """The instance records of ``processes.json``; None when absent or unreadable.
-
-    ``unreadable`` ends the error logged for a file that cannot be read (what the
-    caller does instead).
-    """
-    try:
-        data = json.loads(state_file.read_text(encoding="utf-8"))
-        records = data["instances"]
-        if not isinstance(records, list):
-            raise TypeError("'instances' is not a list")
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        log.error("Cannot read %s (%s); %s", state_file, exc, unreadable)
-        return None
-    return [r for r in records if isinstance(r, dict)]
 
 
 class Adoption:

@@ -16,7 +16,7 @@ by the full record (pid, creation time, program) once it does. A crash between t
 leaves a pending record, from which the next agent recognises the orphan.
 
 On start, the runtime reconciles with the records of the previous run (see
-:mod:`agent._reconcile` for how a process is identified): an engine that is provably
+:mod:`agent.engines.process._reconcile` for how a process is identified): an engine that is provably
 the one recorded is *adopted* (same pid, port and key; Starting until the Ready probe
 passes again, then supervised as usual, its exit seen through a pidfd or by polling);
 a record whose process is gone or whose pid now belongs to another process reads
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -52,36 +51,11 @@ from typing import Any
 import aiohttp
 import psutil
 
-from agent._adoption import Adoption
 from agent._config import AgentConfig
-from agent._describe import GpuProbe, GpuSampler
-from agent._engine import (
-    AdoptedProcess,
-    EngineProcess,
-    PortAllocator,
-    exit_text,
-    open_log,
-    read_log_tail,
-)
 from agent._errors import Conflict, ModelNotRunning, NotFound, StateUnavailable
-from agent._events import EventBus
-from agent._executables import Catalogue
-from agent._gpu_starts import GpuStarts
-from agent._instance import (
-    FAILED,
-    GONE_ERROR,
-    PENDING_STOPPED_ERROR,
-    PROCESSES_FILE,
-    READY,
-    STARTING,
-    STOPPED,
-    Instance,
-)
-from agent._measure import GpuLocks, Measured
-from agent._reconcile import (
-    argv_digest,
-)
-from agent._spec import (
+from agent.engines._executables import Catalogue
+from agent.engines._measure import GpuLocks, Measured
+from agent.engines._spec import (
     check_args,
     check_env,
     check_runtime,
@@ -89,7 +63,31 @@ from agent._spec import (
     resolve_model_path,
     substitute,
 )
-from protocol.atomic import write_atomic
+from agent.engines.process._adoption import Adoption
+from agent.engines.process._gpus import GpuStarts
+from agent.engines.process._handle import (
+    AdoptedProcess,
+    EngineProcess,
+    PortAllocator,
+    exit_text,
+    open_log,
+    read_log_tail,
+)
+from agent.engines.process._instance import (
+    FAILED,
+    GONE_ERROR,
+    PENDING_STOPPED_ERROR,
+    READY,
+    STARTING,
+    STOPPED,
+    Instance,
+)
+from agent.engines.process._reconcile import (
+    argv_digest,
+)
+from agent.engines.process._records import PROCESSES_FILE, write_records
+from agent.state import EventBus
+from agent.telemetry import GpuProbe, GpuSampler
 
 __all__ = ["GONE_ERROR", "PENDING_STOPPED_ERROR", "Instance", "Measured", "ProcessRuntime"]
 
@@ -185,13 +183,7 @@ class ProcessRuntime(GpuStarts, Adoption):
     # -- persistence and events ------------------------------------------------------
 
     def _persist(self) -> None:
-        body = {"version": 1, "instances": [i.to_record() for i in self._instances.values()]}
-        try:
-            write_atomic(self._state_file, json.dumps(body, indent=1).encode(), mode=0o600)
-        except OSError as exc:
-            raise StateUnavailable(
-                f"cannot write {self._state_file}: {exc.strerror or exc}"
-            ) from None
+        write_records(self._state_file, (i.to_record() for i in self._instances.values()))
 
     def _persist_quietly(self) -> None:
         try:

@@ -39,10 +39,10 @@ from typing import IO, Any
 
 import aiohttp
 
-from agent._download_state import Download, DownloadRequest, FileEntry
 from agent._errors import InvalidRequest
-from agent._spec import check_relative_name
 from agent._version import __version__
+from agent.engines import check_relative_name
+from agent.weights._download_state import Download, DownloadRequest, FileEntry
 
 __all__ = ["DownloadFailed", "FileSink", "HubClient", "hub_refusal"]
 

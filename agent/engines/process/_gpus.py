@@ -1,6 +1,6 @@
 """One start at a time per GPU, and what a running engine really uses.
 
-Mixed into ``ProcessRuntime`` (agent._process), whose state it uses. A start
+Mixed into ``ProcessRuntime`` (agent.engines.process._runtime), whose state it uses. A start
 waits for its GPUs' locks (docs/agent-api.md, "One start per GPU"), a restart
 whose GPUs another start holds is queued as Starting, and a Ready engine is
 measured: the GPU memory delta of its pinned GPUs, or its process group's RSS,
@@ -13,11 +13,11 @@ import asyncio
 import logging
 import time
 
-from agent._describe import GpuSampler, group_rss, memory_used_by_uuid
-from agent._engine import AdoptedProcess, EngineProcess, PortAllocator
 from agent._errors import SpecRejected
-from agent._instance import READY, STARTING, Instance
-from agent._measure import RSS, GpuLocks, Measured, gpu_delta
+from agent.engines._measure import RSS, GpuLocks, Measured, gpu_delta
+from agent.engines.process._handle import AdoptedProcess, EngineProcess, PortAllocator
+from agent.engines.process._instance import READY, STARTING, Instance
+from agent.telemetry import GpuSampler, group_rss, memory_used_by_uuid
 
 __all__ = ["GpuStarts"]
 

@@ -40,7 +40,8 @@ from agent._errors import (
     TokenRefused,
     UntrustedEnrollEndpoint,
 )
-from agent._identity import (
+from agent._version import PROTOCOL_VERSIONS, __version__
+from agent.identity._tls import (
     Identity,
     generate_key_and_csr,
     has_identity,
@@ -49,7 +50,6 @@ from agent._identity import (
     store_identity,
     validate_issued_cert,
 )
-from agent._version import PROTOCOL_VERSIONS, __version__
 
 __all__ = [
     "BOOTSTRAP_FILE",

@@ -120,7 +120,7 @@ def probe_gpus(timeout: float = 10.0) -> tuple[list[dict[str, Any]], str | None]
 
 
 def _default_probe() -> tuple[list[dict[str, Any]], str | None]:
-    # Looked up at call time, so a test that replaces agent._describe.probe_gpus also
+    # Looked up at call time, so a test that replaces agent.telemetry._describe.probe_gpus also
     # replaces what every sampler built without an explicit probe runs.
     return probe_gpus()
 

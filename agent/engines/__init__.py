@@ -1,0 +1,28 @@
+"""Engines: launch specs and their checks, engine builds, and the runtimes that run them.
+
+``process/`` is the native-process runtime (llama-server); a container runtime goes
+beside it as ``container/``. What every runtime shares is here: ``_spec`` (launch specs,
+the flag allow-list check, model path confinement), ``_executables`` (the engine
+builds a node offers), ``_install`` (building llama-server), ``_measure`` (memory).
+"""
+
+from agent.engines._executables import Catalogue
+from agent.engines._install import install_llama_server
+from agent.engines._spec import (
+    check_folder_name,
+    check_relative_name,
+    confined_path,
+    resolve_model_path,
+)
+from agent.engines.process import ProcessRuntime, stop_recorded_engines
+
+__all__ = [
+    "Catalogue",
+    "ProcessRuntime",
+    "check_folder_name",
+    "check_relative_name",
+    "confined_path",
+    "install_llama_server",
+    "resolve_model_path",
+    "stop_recorded_engines",
+]
