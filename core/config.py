@@ -45,6 +45,9 @@ class MasterConfig:
     redis_embedded: bool
     # Seconds a node-status read waits for Redis before serving the last known status.
     redis_status_timeout: float = 0.5
+    # Seconds the router waits for the next byte from an agent before answering 504 or
+    # cutting the stream (docs/decisions.md D42): past the agent's own engine timeout.
+    upstream_read_timeout: float = 1260.0
     debug: bool
     allowed_hosts: list[str]
     secure_cookies: bool
@@ -152,6 +155,9 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         redis_url=redis_url,
         redis_embedded=redis_embedded,
         redis_status_timeout=env_float("MIRBAD_REDIS_STATUS_TIMEOUT", 0.5, minimum=0.05, env=env),
+        upstream_read_timeout=env_float(
+            "MIRBAD_UPSTREAM_READ_TIMEOUT", 1260.0, minimum=0.1, env=env
+        ),
         debug=env_bool("MIRBAD_DEBUG", False, env=env),
         allowed_hosts=env_list("MIRBAD_ALLOWED_HOSTS", ["127.0.0.1", "localhost"], env=env),
         secure_cookies=env_bool("MIRBAD_SECURE_COOKIES", False, env=env),

@@ -235,6 +235,15 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.abort()
 
+    def timed_out(self, error: BaseException) -> None:
+        """The answer's read timeout expired: cut the connection, and a request still
+        waiting to send its body fails with ``error``, not as a closed connection (which
+        would read as a stale kept connection and be sent again)."""
+        self.response = None
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(error)
+        self.abort()
+
 
 Body = bytes | AsyncIterator[bytes] | None
 

@@ -262,10 +262,10 @@ class WireResponse:
             )
             return
         conn = self._conn
-        self.fail(ReadTimeout(f"the server sent nothing for {self._timeout:g} s"))
+        error = ReadTimeout(f"the server sent nothing for {self._timeout:g} s")
+        self.fail(error)
         if conn is not None:
-            conn.response = None
-            conn.abort()
+            conn.timed_out(error)
 
     def _stop_timer(self) -> None:
         if self._timer is not None:

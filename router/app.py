@@ -22,12 +22,20 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 
 from core.jsoninput import JSON_ERRORS, is_text, why_not_json
 from core.throttle import key_failures, key_prefix
 from nodes import status_cache
 from nodes.services import node_ssl_context
-from protocol.errors import ERROR_HEADER, AgentCode, ConnectFailed, Disconnected, WireError
+from protocol.errors import (
+    ERROR_HEADER,
+    AgentCode,
+    ConnectFailed,
+    Disconnected,
+    ReadTimeout,
+    WireError,
+)
 from protocol.wire import WirePool, WireResponse
 from router import errors, metrics, transform
 from router.errors import V1Error
@@ -165,8 +173,11 @@ class RouterApp:
         except V1Error as exc:
             request.status, request.error_code = exc.status, exc.code
             await self._send_error(send, exc, started)
-        except _ClientGone:
+        except _ClientGone as exc:
             request.status = 499  # nginx's "client closed request"
+            if isinstance(exc.__cause__, ReadTimeout):
+                # Not the client: the agent went silent mid-stream and the stream was cut.
+                request.status, request.error_code = 504, "upstream_timeout"
         finally:
             metrics.observe_request(
                 request.model,
@@ -358,12 +369,20 @@ class RouterApp:
         table = self.table
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
         overhead = time.perf_counter() - request.started
+        # Idle time, not total: a stream may last an hour, but a partitioned or stopped
+        # agent must not hold the request until the client gives up (D41).
+        timeout = settings.MIRBAD.upstream_read_timeout
         try:
             try:
                 response = await self.pool().request(
                     "POST", host, port, target, headers=forward, body=prepared.body,
-                    ssl_context=context,
+                    ssl_context=context, read_timeout=timeout,
                 )  # fmt: skip
+            except ReadTimeout as exc:
+                # Before ConnectFailed/OSError (it is a TimeoutError): the request reached
+                # the agent and may be running, so it is not sent to another replica.
+                log.warning("Node %s silent for %g s on %s: %s", node.node_id, timeout, name, exc)
+                raise errors.upstream_timeout(name, node.node_id, timeout) from exc
             except (ConnectFailed, Disconnected, OSError) as exc:
                 # Nothing of the answer arrived: another replica may take the request.
                 log.warning("Node %s unreachable for %s: %s", node.node_id, name, exc)
@@ -379,7 +398,8 @@ class RouterApp:
                 agent_error = response.header(ERROR_HEADER)
                 if agent_error:
                     await self._agent_error(response, agent_error, name, node.node_id)
-                prefetched = await _small_body(response) if response.status == 503 else None
+                whole = _WholeReader(response, name, node.node_id, timeout)
+                prefetched = await whole.small() if response.status == 503 else None
                 if prefetched is not None and b"oading" in prefetched:
                     # llama-server answers 503 "Loading model" while it (re)loads: nothing
                     # was sent to the client yet, so another replica may take it.
@@ -390,11 +410,11 @@ class RouterApp:
                 if not streamed and length is not None and length <= SMALL_ANSWER:
                     # A whole JSON answer of known small size: one read and one send, no
                     # pump and watcher tasks (there is nothing to stream incrementally).
-                    prefetched = await response.read()
+                    prefetched = await whole.read()
                 if ok and prepared.dimensions is not None:
                     # Emulated dimensions: the only answer the router rewrites whole.
-                    whole = prefetched if prefetched is not None else await response.read()
-                    prefetched = transform.transform_embeddings(prepared, whole)
+                    body = prefetched if prefetched is not None else await whole.read()
+                    prefetched = transform.transform_embeddings(prepared, body)
                 out_headers = [
                     (lower, v)
                     for k, v in response.raw_headers
@@ -495,12 +515,32 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
             return b"".join(chunks)
 
 
-async def _small_body(response: WireResponse) -> bytes | None:
-    """The whole body of a small answer (an engine's 503), None when it is not small."""
-    length = response.content_length
-    if length is None or length > 65536:
-        return None
-    return await response.read()
+@dataclass(slots=True)
+class _WholeReader:
+    """Reads an answer whole before its head goes to the client: a failure then is still
+    an error answer (504 for the read timeout, 502 otherwise), never an unhandled 500."""
+
+    response: WireResponse
+    name: str
+    node_id: str
+    timeout: float
+
+    async def read(self) -> bytes:
+        try:
+            return await self.response.read()
+        except ReadTimeout as exc:
+            raise errors.upstream_timeout(self.name, self.node_id, self.timeout) from exc
+        except WireError as exc:
+            raise errors.upstream_unavailable(
+                f"Node '{self.node_id}' broke off its answer: {exc}"
+            ) from exc
+
+    async def small(self) -> bytes | None:
+        """The whole body of a small answer (an engine's 503), None when it is not small."""
+        length = self.response.content_length
+        if length is None or length > 65536:
+            return None
+        return await self.read()
 
 
 def _parse(body: bytes) -> dict[str, Any]:

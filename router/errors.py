@@ -112,6 +112,16 @@ def upstream_unavailable(message: str) -> V1Error:
     return V1Error(502, "upstream_unavailable", message)
 
 
+def upstream_timeout(name: str, node: str, seconds: float) -> V1Error:
+    """504 when an agent sent nothing for the router's read timeout before the answer began."""
+    return V1Error(
+        504,
+        "upstream_timeout",
+        f"The node '{node}' serving model '{name}' sent nothing for {seconds:g} s "
+        "(MIRBAD_UPSTREAM_READ_TIMEOUT); it may be unreachable or stalled.",
+    )
+
+
 def rate_limited(message: str, retry_after: int) -> V1Error:
     """429 for a key over one of its limits; Retry-After is at least 1 s."""
     return V1Error(429, "rate_limited", message, retry_after=max(1, retry_after))

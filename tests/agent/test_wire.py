@@ -631,6 +631,40 @@ async def test_no_answer_is_read_timeout(pool: WirePool) -> None:
         await eventually(lambda: pool.connections == 0)
 
 
+@pytest.mark.parametrize("reused", [False, True])
+async def test_a_server_that_stops_reading_the_body_is_read_timeout(
+    pool: WirePool, reused: bool
+) -> None:
+    """A peer that takes the head and then reads nothing (a partition, a stopped agent)
+    leaves the body unsent: the read timeout ends it as a ReadTimeout, not as a closed
+    connection, which on a reused connection would be sent again (D39)."""
+    served = 0
+
+    async def answer_once_then_stop_reading(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        nonlocal served
+        if reused and served == 0:
+            served += 1
+            await read_head(reader)
+            writer.write(OK_KEEPALIVE)
+            await writer.drain()
+        await read_head(reader)
+        await asyncio.sleep(10)  # the body stays in the kernel's buffers, then ours
+
+    async with raw_server(answer_once_then_stop_reading) as server:
+        if reused:
+            response = await pool.request("GET", "127.0.0.1", server.port, "/")
+            assert await response.read() == b"ok"
+        body = b"x" * (48 * 1024 * 1024)  # more than loopback's socket buffers hold
+        started = time.monotonic()
+        with pytest.raises(ReadTimeout):
+            await pool.request("POST", "127.0.0.1", server.port, "/", body=body, read_timeout=0.3)
+        assert time.monotonic() - started < 3
+        assert pool.retries == 0 and server.accepted == 1
+        await eventually(lambda: pool.connections == 0)
+
+
 async def test_body_stall_is_read_timeout_after_first_bytes(pool: WirePool) -> None:
     async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
