@@ -63,6 +63,7 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one request at a time."""
 
     __slots__ = (
+        "_codings",
         "_drain",
         "_head_bytes",
         "_interim",
@@ -92,6 +93,7 @@ class _Connection(asyncio.Protocol):
         self._lost: BaseException | None = None
         self._interim = False
         self._head_bytes = 0  # of the current answer, until its headers are complete
+        self._codings: list[bytes] = []  # its Transfer-Encoding, coding by coding
 
     # -- asyncio.Protocol ----------------------------------------------------------
 
@@ -149,9 +151,19 @@ class _Connection(asyncio.Protocol):
     # -- httptools callbacks ---------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self.response.raw_headers  # type: ignore[union-attr]
+        response = self.response
+        if response is None or response.status:
+            # A chunked answer's trailer: not a header. Appended, it would reach the
+            # client as one when the router reads a small answer whole before its head.
+            return
+        headers = response.raw_headers
         if len(headers) <= MAX_RESPONSE_HEADERS:  # one more marks "too many"
+            # The parser keeps a value's trailing whitespace, which is not part of it
+            # (RFC 9110 5.5): "model_not_running " must still read as that agent error.
+            value = value.strip(b" \t")
             headers.append((name, value))
+            if len(name) == 17 and name.lower() == b"transfer-encoding":
+                self._codings.extend(c.strip().lower() for c in value.split(b","))
 
     def on_headers_complete(self) -> None:
         response = self.response
@@ -167,7 +179,22 @@ class _Connection(asyncio.Protocol):
         if 100 <= status < 200 and status != 101:
             # An interim answer (100 Continue, 103 Early Hints): the final one follows.
             response.raw_headers.clear()
+            self._codings.clear()
             self._interim = True
+            return
+        if self._codings and self._codings != [b"chunked"]:
+            # Anything but one "chunked": the parser would read such a body to the
+            # close still encoded (gzip, say), and the router drops Transfer-Encoding
+            # as hop-by-hop, so its client would get bytes it cannot know to decode.
+            # Refused as h11 refuses it, on every answer (a HEAD or 304 has no body, but
+            # such a server's framing is not to be trusted for the next one).
+            response.fail(
+                BadResponse(
+                    "the server's answer uses a transfer coding other than chunked, "
+                    "which this client does not undo"
+                )
+            )
+            asyncio.get_running_loop().call_soon(self.abort)
             return
         response.status = status
         response.headers_complete()
@@ -194,6 +221,7 @@ class _Connection(asyncio.Protocol):
     def begin(self, response: WireResponse) -> None:
         self.response = response
         self._head_bytes = 0
+        self._codings = []
         self._parser = httptools.HttpResponseParser(self)
 
     def finished(self, *, keep_alive: bool) -> None:

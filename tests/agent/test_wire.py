@@ -24,7 +24,7 @@ from aiohttp import web
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from multidict import CIMultiDict
 
-from agent._errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
+from protocol.errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
 from protocol.wire import MAX_RESPONSE_HEADERS, WirePool
 
 pytestmark = pytest.mark.timeout(30)
@@ -753,6 +753,76 @@ async def test_garbage_answer_is_bad_response(pool: WirePool) -> None:
     async with raw_server(garbage) as server:
         with pytest.raises(BadResponse):
             await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        await eventually(lambda: pool.connections == 0)
+
+
+def answer_with(raw: bytes) -> Handler:
+    """A server that answers every request on a connection with ``raw``."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                await read_head(reader)
+            except asyncio.IncompleteReadError:
+                return
+            writer.write(raw)
+            await writer.drain()
+
+    return handler
+
+
+async def test_header_values_lose_their_trailing_whitespace(pool: WirePool) -> None:
+    """Found by the property tests (test_wire_props.py): httptools keeps a value's
+    trailing spaces and tabs, which are not part of it, so an agent error code
+    followed by a space did not read as that code."""
+    raw = (
+        b"HTTP/1.1 503 Service Unavailable\r\n"
+        b"x-mirbad-agent-error: \tmodel_not_running \t\r\nContent-Length: 2\r\n\r\nno"
+    )
+    async with raw_server(answer_with(raw)) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/")
+        assert response.raw_headers[0] == (b"x-mirbad-agent-error", b"model_not_running")
+        assert response.header("x-mirbad-agent-error") == "model_not_running"
+        assert await response.read() == b"no"
+
+
+async def test_trailers_are_not_added_to_the_headers(pool: WirePool) -> None:
+    """Found by the property tests: a chunked answer's trailer fields were appended to
+    ``raw_headers``, so an answer the router reads whole before sending its head gave
+    its client the trailers as headers."""
+    raw = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\nok\r\n0\r\nSet-Cookie: planted=1\r\nX-Trailer: t\r\n\r\n"
+    )
+    async with raw_server(answer_with(raw)) as server:
+        for _ in range(2):  # and the kept connection parses the next answer cleanly
+            response = await pool.request("GET", "127.0.0.1", server.port, "/")
+            assert await response.read() == b"ok"
+            assert response.raw_headers == [(b"Transfer-Encoding", b"chunked")]
+            assert "set-cookie" not in response.headers
+        assert server.accepted == 1
+
+
+@pytest.mark.parametrize(
+    "coding", [b"gzip", b"chunked, gzip", b"gzip, chunked", b"identity", b"chunked, chunked"]
+)
+async def test_a_transfer_coding_other_than_chunked_is_bad_response(
+    pool: WirePool, coding: bytes
+) -> None:
+    """Found by the property tests: ``Transfer-Encoding: gzip`` made the parser read the
+    body to the close still gzipped, and the router drops Transfer-Encoding as
+    hop-by-hop, so its client got bytes it could not know to decode."""
+
+    async def encoded(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: " + coding + b"\r\n\r\n\x1f\x8b...")
+        await writer.drain()
+        writer.close()
+
+    async with raw_server(encoded) as server:
+        with pytest.raises(BadResponse, match="transfer coding"):
+            response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2)
+            await response.read()
         await eventually(lambda: pool.connections == 0)
 
 
