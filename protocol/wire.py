@@ -76,6 +76,7 @@ class _Connection(asyncio.Protocol):
         "max_idle",
         "pool",
         "response",
+        "retired",
         "transport",
     )
 
@@ -85,6 +86,7 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.response: WireResponse | None = None
         self.closed = False
+        self.retired = False  # its TLS context was retired: closed when its answer ends
         self.idle_since = 0.0
         self.max_idle = pool._max_idle  # idle connections kept for this key (per request)
         self._parser: Any = None
@@ -228,7 +230,7 @@ class _Connection(asyncio.Protocol):
         """The current answer is complete: back to the pool, or closed."""
         self.response = None
         self._parser = None
-        if keep_alive and not self.closed:
+        if keep_alive and not self.closed and not self.retired:
             self.idle_since = time.monotonic()
             self.pool._release(self)
         else:
@@ -448,6 +450,23 @@ class WirePool:
         if idle:
             with contextlib.suppress(ValueError):
                 idle.remove(conn)
+
+    def retire(self, ssl_context: ssl.SSLContext) -> int:
+        """Use no connection made with ``ssl_context`` again; returns how many there were.
+
+        For a node whose pins changed or that was revoked: its idle connections close
+        now, and one carrying a request closes when that answer ends, instead of
+        waiting in the pool for the keep-alive time. New requests under a new context
+        get connections of their own (the pool keys connections by context).
+        """
+        tag = id(ssl_context)
+        matched = [conn for conn in self._all if conn.key[2] == tag]
+        for conn in matched:
+            conn.retired = True
+            if conn.response is None:  # idle
+                self._forget(conn)
+                conn.close()
+        return len(matched)
 
     async def close(self) -> None:
         """Close every connection, idle or busy."""

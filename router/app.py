@@ -104,12 +104,38 @@ class RouterApp:
     def __init__(self) -> None:
         self.table = RoutingTable()
         self._pool: WirePool | None = None
-        self.listener = Listener(apply=self.table.invalidate)
+        self.listener = Listener(apply=self.apply)
         self._contexts: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._targets: dict[tuple[str, str], str] = {}
         self._hosts: dict[str, tuple[str, int]] = {}
         self.meter = UsageMeter()
         self._limiters: dict[int, Limiter] = {}
+
+    def apply(self, message: dict[str, Any]) -> None:
+        """One invalidation (router.invalidation): the caches, and a node's old contexts."""
+        self.table.invalidate(message)
+        if message.get("kind") == "node":
+            self.retire_contexts(message.get("node"), message.get("pins") or [],
+                                 gone=bool(message.get("gone")))  # fmt: skip
+
+    def retire_contexts(self, node_pk: Any, pins: list[str], *, gone: bool) -> int:
+        """Drop a node's TLS contexts for pins it no longer has (all when it is gone) and
+        retire their pooled connections; returns the connections retired.
+
+        Without this, connections verified under a rekeyed node's old key, or a revoked
+        node's, sat in the pool for the keep-alive time (the pool keys them by context,
+        so none was handed to a request under the new pins, docs/decisions.md D44).
+        """
+        current = tuple(pins)
+        stale = [k for k in self._contexts if k[0] == node_pk and (gone or k[1] != current)]
+        retired = 0
+        for cache_key in stale:
+            context = self._contexts.pop(cache_key)
+            if self._pool is not None:
+                retired += self._pool.retire(context)
+        if retired:
+            log.info("Node #%s changed its pins: %d connection(s) retired", node_pk, retired)
+        return retired
 
     def limiter(self) -> Limiter:
         """One limiter per event loop: redis.asyncio connections belong to their loop."""
@@ -370,7 +396,7 @@ class RouterApp:
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
         overhead = time.perf_counter() - request.started
         # Idle time, not total: a stream may last an hour, but a partitioned or stopped
-        # agent must not hold the request until the client gives up (D41).
+        # agent must not hold the request until the client gives up (docs/decisions.md D42).
         timeout = settings.MIRBAD.upstream_read_timeout
         try:
             try:

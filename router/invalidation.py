@@ -46,16 +46,35 @@ class Invalidate(TypedDict):
     name: str | None
 
 
+class NodeChanged(TypedDict):
+    """A node's identity as the router must now dial it: its pins, or gone (revoked or
+    deleted). The router retires connections made under any other pins."""
+
+    type: Literal["router.invalidate"]
+    kind: Literal["node"]
+    node: int
+    pins: list[str]
+    gone: bool
+
+
 def announce(kind: Literal["keys", "routes"], name: str | None = None) -> None:
     """Tell every router process, after the current transaction commits."""
+    _send_on_commit(kind, dict(Invalidate(type="router.invalidate", kind=kind, name=name)))
 
+
+def announce_node(node: int, pins: list[str], *, gone: bool) -> None:
+    """Tell every router process a node's current pins, after the transaction commits."""
+    message = NodeChanged(type="router.invalidate", kind="node", node=node, pins=pins, gone=gone)
+    _send_on_commit("node", dict(message))
+
+
+def _send_on_commit(kind: str, message: dict[str, Any]) -> None:
     def send() -> None:
         layer = get_channel_layer()
         if layer is None:
             return
-        message = Invalidate(type="router.invalidate", kind=kind, name=name)
         try:
-            async_to_sync(layer.group_send)(GROUP, dict(message))
+            async_to_sync(layer.group_send)(GROUP, message)
         except Exception:  # the TTL still bounds how long a stale entry lives
             log.warning("Could not announce a %s change to the routers", kind, exc_info=True)
 
