@@ -1,4 +1,5 @@
-"""Load generation: wrk for non-streamed requests, an aiohttp client for streams.
+"""Load generation: wrk for non-streamed requests, an aiohttp client for streams, and
+bench/streamload.py for streaming throughput (many concurrent long streams).
 
 wrk runs a Lua script that sets the POST body and headers and, in ``done``, prints one
 ``BENCH {...}`` line with the request count, the error counters and the latency
@@ -12,7 +13,9 @@ import json
 import resource
 import statistics
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,3 +270,86 @@ async def _check(url: str, headers: dict[str, str], model: str) -> str | None:
 
 def check_path(url: str, headers: dict[str, str], *, model: str) -> str | None:
     return asyncio.run(_check(url, headers, model))
+
+
+# -- streaming throughput ---------------------------------------------------------------
+
+# Chunks per stream of the throughput point: long enough that a stream's request costs
+# next to nothing per chunk, short enough that streams end and start again during a point.
+THROUGHPUT_CHUNKS = 1000
+_STREAMLOAD = Path(__file__).resolve().parent / "streamload.py"
+
+
+def throughput_body(model: str, chunks: int = THROUGHPUT_CHUNKS) -> dict[str, Any]:
+    """A streamed request for ``chunks`` chunks sent back to back (the stub's
+    ``x_stub_chunks``), without ``stream_options``: what most clients send, so MirbadLLM's
+    router adds ``include_usage`` and filters the stream, its costlier case."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Hello"}],
+        "max_tokens": 16,
+        "stream": True,
+        "x_stub_chunks": chunks,
+    }
+
+
+def run_stream_load(
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    *,
+    concurrency: int,
+    warmup: float,
+    seconds: float,
+    on_begin: Callable[[], None],
+    on_end: Callable[[], None],
+    python: str,
+) -> dict[str, Any]:
+    """Run bench/streamload.py; ``on_begin``/``on_end`` are called as its measured
+    window begins and ends (to read CPU counters then). Returns its JSON result."""
+    argv = [
+        python,
+        str(_STREAMLOAD),
+        "--url",
+        url,
+        "--body",
+        json.dumps(body, separators=(",", ":")),
+        "--concurrency",
+        str(concurrency),
+        "--warmup",
+        f"{warmup:g}",
+        "--duration",
+        f"{seconds:g}",
+    ]
+    for name, value in headers.items():
+        argv += ["--header", f"{name}: {value}"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+    deadline = time.monotonic() + warmup + seconds + 60
+    timer = threading.Timer(max(1.0, deadline - time.monotonic()), proc.kill)
+    timer.start()
+    last = ""
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.strip()
+            if line == "WINDOW begin":
+                on_begin()
+            elif line == "WINDOW end":
+                on_end()
+            elif line:
+                last = line
+        proc.wait()
+        stderr = proc.stderr.read() if proc.stderr is not None else ""
+    finally:
+        timer.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode != 0 or not last.startswith("{"):
+        raise RuntimeError(
+            f"streamload exited {proc.returncode} without a result: {(last + stderr)[-800:]}"
+        )
+    result: dict[str, Any] = json.loads(last)
+    return result

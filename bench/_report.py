@@ -14,6 +14,8 @@ END = "<!-- bench-router:results:end -->"
 TARGET_P50_RATIO = 1.3
 TARGET_TTFC_ADDED_MS = 1.3
 TARGET_RPS_SHARE = 0.70
+# Streaming throughput (issue 12): MirbadLLM's CPU per chunk against the two bare hops'.
+TARGET_CHUNK_CPU_RATIO = 0.5
 
 
 def _ms(value: float | None, digits: int = 2) -> str:
@@ -69,7 +71,84 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         )
     else:
         out.append({"target": "req/s at c=64 ≥ 70 % of two bare hops'", "pass": None})
+    out.extend(_throughput_targets(results))
+    out.append(_never_above_hops(results))
     return out
+
+
+def _throughput_point(
+    results: dict[str, Any], path: str, concurrency: int
+) -> dict[str, Any] | None:
+    for point in results.get("throughput", []):
+        if point["path"] == path and point["concurrency"] == concurrency and "load" in point:
+            return point
+    return None
+
+
+def _throughput_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """CPU s per 1,000 chunks ≤ half the two bare hops', one row per concurrency."""
+    out: list[dict[str, Any]] = []
+    for c in sorted({p["concurrency"] for p in results.get("throughput", [])}):
+        name = f"streaming, c={c}: CPU s / 1k chunks ≤ {TARGET_CHUNK_CPU_RATIO:g} x two bare hops'"
+        mirbad, hops = (
+            _throughput_point(results, "mirbad", c),
+            _throughput_point(results, "hops", c),
+        )
+        if not (mirbad and hops) or mirbad["load"]["errors"] or hops["load"]["errors"]:
+            out.append({"target": name, "pass": None})
+            continue
+        measured, reference = mirbad["cpu_per_1k"]["path_s"], hops["cpu_per_1k"]["path_s"]
+        out.append(
+            {
+                "target": name,
+                "measured": f"{measured:.3f} s ({measured / reference:.0%} of {reference:.3f} s)",
+                "limit": f"{TARGET_CHUNK_CPU_RATIO * reference:.3f} s",
+                "pass": measured <= TARGET_CHUNK_CPU_RATIO * reference,
+            }
+        )
+    return out
+
+
+def _never_above_hops(results: dict[str, Any]) -> dict[str, Any]:
+    """/v1 at or below the two bare hops at every point of the run: added p50 and CPU per
+    request (non-streamed), CPU per chunk (streaming), and at least their throughput."""
+    name = "at or below two bare hops at every point (added p50, CPU, throughput)"
+    worse: list[str] = []
+    compared = 0
+    for point in results["points"]:
+        if point["path"] != "mirbad" or "wrk" not in point:
+            continue
+        hops = _point(results, "hops", point["concurrency"])
+        if hops is None or "added" not in point or "added" not in hops:
+            continue
+        compared += 1
+        c = point["concurrency"]
+        if point["added"]["p50_ms"] > hops["added"]["p50_ms"]:
+            worse.append(f"c={c} added p50")
+        if point["cpu_per_1k"]["path_s"] > hops["cpu_per_1k"]["path_s"]:
+            worse.append(f"c={c} CPU/request")
+        if point["wrk"]["rps"] < hops["wrk"]["rps"]:
+            worse.append(f"c={c} req/s")
+    for point in results.get("throughput", []):
+        if point["path"] != "mirbad" or "load" not in point:
+            continue
+        hops = _throughput_point(results, "hops", point["concurrency"])
+        if hops is None:
+            continue
+        compared += 1
+        c = point["concurrency"]
+        if point["cpu_per_1k"]["path_s"] > hops["cpu_per_1k"]["path_s"]:
+            worse.append(f"streaming c={c} CPU/chunk")
+        if point["load"]["chunks_per_s"] < hops["load"]["chunks_per_s"]:
+            worse.append(f"streaming c={c} chunks/s")
+    if not compared:
+        return {"target": name, "pass": None}
+    return {
+        "target": name,
+        "measured": "above at " + ", ".join(worse) if worse else f"{compared} points, none above",
+        "limit": "none above",
+        "pass": not worse,
+    }
 
 
 def _stream_table(title: str, streams: dict[str, Any], paths: dict[str, Any]) -> list[str]:
@@ -207,6 +286,7 @@ def render(results: dict[str, Any]) -> str:
                 f"MirbadLLM's own `x-mirbad-overhead-ms` on those streams: p50 {overhead:.2f} ms."
             )
             lines.append("")
+    lines.extend(_throughput_table(results, paths))
     aux = [
         p
         for p in results["points"]
@@ -244,6 +324,50 @@ def render(results: dict[str, Any]) -> str:
     lines.append("")
     lines.append(f"Raw numbers: `{meta['json']}`.")
     return "\n".join(lines)
+
+
+def _throughput_table(results: dict[str, Any], paths: dict[str, Any]) -> list[str]:
+    points = results.get("throughput") or []
+    if not points:
+        return []
+    chunks = results["meta"]["settings"].get("stream_chunks")
+    lines = [
+        f"### Streaming throughput (bench/streamload.py: concurrent streams of {chunks:,} "
+        "chunks sent back to back, each stream restarted when it ends)",
+        "",
+        "| c | path | chunks/s | streams | CPU s / 1k chunks (path) | CPU s / 1k chunks (stub) "
+        "| client CPU s | errors |",
+        "|" + "---|" * 8,
+    ]
+    for point in points:
+        label = paths[point["path"]]["label"]
+        if "load" not in point:
+            lines.append(
+                f"| {point['concurrency']} | {label} | failed: {point.get('error', '?')} "
+                "| | | | | |"
+            )
+            continue
+        load, cpu = point["load"], point["cpu_per_1k"]
+        errors = ", ".join(f"{k} {v}" for k, v in load["errors"].items()) or "0"
+        lines.append(
+            f"| {point['concurrency']} | {label} | {_num(load['chunks_per_s'])} "
+            f"| {load['streams']:,} "
+            f"| {_ms(cpu['path_s'], 4) if point['path'] != 'direct' else '—'} "
+            f"| {_ms(cpu['stub_s'], 4)} | {load['client_cpu_s']:.1f} | {errors} |"
+        )
+    lines.append("")
+    busy = [p for p in points if p.get("foreign_share", 0) > 0.05]
+    if busy:
+        lines.append(
+            "> **Warning:** other processes on the machine used CPU during "
+            + ", ".join(
+                f"{paths[p['path']]['label']} c={p['concurrency']} ({p['foreign_share']:.0%})"
+                for p in busy
+            )
+            + "; those streaming points are disturbed."
+        )
+        lines.append("")
+    return lines
 
 
 def update_doc(doc: Path, block: str) -> None:

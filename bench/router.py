@@ -15,8 +15,10 @@ path targets the port of that same process:
 5. litellm: LiteLLM's proxy (its own venv, one worker, no database).
 
 Non-streamed load is wrk (one Lua script per path: body, headers, percentiles); time to
-first streamed chunk is a sequential aiohttp client. CPU seconds per 1,000 requests
-are read with psutil from the processes of each path before and after each point.
+first streamed chunk is a sequential aiohttp client; streaming throughput is
+bench/streamload.py (concurrent long streams of chunks sent back to back, chunks counted
+as they arrive). CPU seconds per 1,000 requests (or chunks) are read with psutil from
+the processes of each path before and after each point.
 Results are printed, written as JSON to bench/results/ and into docs/performance.md
 between its markers. See docs/performance.md for the method.
 """
@@ -63,6 +65,7 @@ from bench._tools import loud, say  # noqa: E402
 # back to back, the first chunk competes for the two cores with the other 17.
 PACE_MS = 5.0
 PATH_ORDER = ("direct", "nginx", "hops", "mirbad", "litellm")
+PARTS = ("wrk", "streams", "throughput")
 LABELS = {
     "direct": "stub, direct",
     "nginx": "nginx (1 hop)",
@@ -152,6 +155,74 @@ def measure_point(
     say(
         f"  c={concurrency:<3} {path.label:<20} {result.rps:9,.0f} req/s  p50 {result.p50_ms:7.2f} ms"
         f"  p99 {result.p99_ms:7.2f} ms  cpu/1k {point['cpu_per_1k']['path_s']:.3f} s  {errors}"
+    )
+    return point
+
+
+def measure_throughput(
+    path: BenchPath,
+    concurrency: int,
+    *,
+    stub: psutil.Process,
+    aux: list[psutil.Process],
+    settings: dict[str, Any],
+) -> dict[str, Any]:
+    """One streaming-throughput point: chunks/s and CPU s per 1,000 chunks of ``path``."""
+    point: dict[str, Any] = {"path": path.name, "concurrency": concurrency}
+    marks: dict[str, Any] = {}
+
+    def mark(name: str) -> None:
+        marks[name] = {
+            "path": path.cpu(),
+            "stub": _procs.cpu_seconds([stub]),
+            "aux": _procs.cpu_seconds(aux),
+            "busy": busy_seconds(),
+            "at": time.monotonic(),
+        }
+        if name == "begin":
+            marks["foreign"] = _procs.foreign_snapshot()
+        else:
+            marks["foreign_s"] = _procs.foreign_seconds(marks["foreign"])
+
+    try:
+        result = _load.run_stream_load(
+            path.url,
+            path.headers,
+            _load.throughput_body(MODEL, settings["stream_chunks"]),
+            concurrency=concurrency,
+            warmup=settings["warmup_s"],
+            seconds=settings["duration_s"],
+            on_begin=lambda: mark("begin"),
+            on_end=lambda: mark("end"),
+            python=sys.executable,
+        )
+        if "begin" not in marks or "end" not in marks:
+            raise RuntimeError("streamload printed no measured window")
+    except (RuntimeError, OSError) as exc:
+        point["error"] = str(exc)[:300]
+        say(f"  c={concurrency:<3} {path.label:<20} FAILED: {point['error']}")
+        return point
+    begin, end = marks["begin"], marks["end"]
+    path_s, stub_s = end["path"] - begin["path"], end["stub"] - begin["stub"]
+    thousands = max(result["chunks"], 1) / 1000
+    point["load"] = result
+    point["cpu_s"] = {
+        "path": path_s,
+        "stub": stub_s,
+        "aux": end["aux"] - begin["aux"],
+        "machine_busy": end["busy"] - begin["busy"],
+        "foreign": marks["foreign_s"],
+    }
+    point["cpu_per_1k"] = {"path_s": path_s / thousands, "stub_s": stub_s / thousands}
+    if path.name == "mirbad":
+        point["cpu_per_1k"]["aux_s"] = point["cpu_s"]["aux"] / thousands
+    wall = max(end["at"] - begin["at"], 1e-9)
+    point["foreign_share"] = marks["foreign_s"] / (wall * (os.cpu_count() or 1))
+    errors = ", ".join(f"{k} {v}" for k, v in result["errors"].items()) or "no errors"
+    say(
+        f"  c={concurrency:<3} {path.label:<20} {result['chunks_per_s']:9,.0f} chunks/s"
+        f"  cpu/1k chunks {point['cpu_per_1k']['path_s']:.3f} s"
+        f" (stub {point['cpu_per_1k']['stub_s']:.3f} s)  {errors}"
     )
     return point
 
@@ -255,6 +326,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--streams", type=int, help="sequential streams per path (default 200; quick 50)"
     )
     parser.add_argument(
+        "--stream-chunks",
+        type=int,
+        default=_load.THROUGHPUT_CHUNKS,
+        help=f"chunks per stream of the throughput point (default {_load.THROUGHPUT_CHUNKS})",
+    )
+    parser.add_argument(
+        "--parts",
+        default=",".join(PARTS),
+        help="comma-separated subset of wrk (non-streamed load), streams (time to first "
+        "chunk), throughput (concurrent long streams); default all",
+    )
+    parser.add_argument(
         "--paths",
         default=",".join(PATH_ORDER),
         help=f"comma-separated subset of {','.join(PATH_ORDER)} (direct is always run)",
@@ -292,6 +375,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.streams = args.streams or (50 if args.quick else 200)
     if not 1 <= args.streams <= 5000 or not 1 <= args.duration <= 120 or args.warmup > 60:
         parser.error("--streams 1-5000, --duration 1-120 s, --warmup up to 60 s")
+    if not 1 <= args.stream_chunks <= 100_000:
+        parser.error("--stream-chunks 1-100000")
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts: a subset of {','.join(PARTS)}")
+    args.parts = [p for p in PARTS if p in parts]
     wanted = [p.strip() for p in args.paths.split(",") if p.strip()]
     unknown = sorted(set(wanted) - set(PATH_ORDER))
     if unknown:
@@ -304,10 +393,13 @@ def run(args: argparse.Namespace, procs: _procs.Processes, work: Path) -> dict[s
     started = dt.datetime.now(dt.UTC)
     notes: list[str] = []
     tools = _tools.ensure_debian(
-        {"wrk": "wrk", **({"nginx": "nginx"} if "nginx" in args.paths else {})}
+        {
+            **({"wrk": "wrk"} if "wrk" in args.parts else {}),
+            **({"nginx": "nginx"} if "nginx" in args.paths else {}),
+        }
     )
-    wrk = tools["wrk"]
-    if wrk is None:
+    wrk = tools.get("wrk")
+    if wrk is None and "wrk" in args.parts:
         raise RuntimeError("wrk is not installed and could not be installed (apt-get install wrk)")
     paths = {name: BenchPath(name) for name in args.paths}
     litellm_exe: Path | None = None
@@ -352,7 +444,7 @@ def _run_with_stack(
         # The embedded Redis has no pid file: it is the launcher's child redis-server.
         assert stack.child is not None
         aux += [k for k in psutil.Process(stack.child.pid).children() if "redis" in k.name()]
-    wrk = str(tools["wrk"])
+    wrk = str(tools.get("wrk") or "wrk")
     chat = _load.CHAT_PATH
     paths["direct"].url = f"http://127.0.0.1:{stub_port}{chat}"
     key_note = "no key"
@@ -416,9 +508,13 @@ def _run_with_stack(
     if background > 0.10:
         loud(f"other processes use {background:.0%} of the machine's CPU: numbers will be noisy")
         notes.append(f"Other processes used {background:.0%} of the CPU just before the run.")
-    settings = {"duration_s": args.duration, "warmup_s": args.warmup}
+    settings = {
+        "duration_s": args.duration,
+        "warmup_s": args.warmup,
+        "stream_chunks": args.stream_chunks,
+    }
     points: list[dict[str, Any]] = []
-    for concurrency in args.concurrency:
+    for concurrency in args.concurrency if "wrk" in args.parts else []:
         say(f"concurrency {concurrency}")
         for path in live:
             points.append(
@@ -433,7 +529,8 @@ def _run_with_stack(
                 )
             )
     added(points)
-    say(f"streams: {args.streams} sequential streamed requests per path")
+    if "streams" in args.parts:
+        say(f"streams: {args.streams} sequential streamed requests per path")
     streams: dict[str, Any] = {}
     paced: dict[str, Any] = {}
     # Paced streams take 16 x 5 ms each: a quarter as many keeps the run short.
@@ -441,7 +538,7 @@ def _run_with_stack(
         ("back to back", streams, None, args.streams),
         (f"{PACE_MS:g} ms apart", paced, PACE_MS, max(20, args.streams // 4)),
     )
-    for label, into, chunk_ms, count in rounds:
+    for label, into, chunk_ms, count in rounds if "streams" in args.parts else ():
         for path in live:
             result = _load.run_streams(
                 path.url, path.headers, model=MODEL, count=count, chunk_ms=chunk_ms
@@ -450,6 +547,15 @@ def _run_with_stack(
             say(
                 f"  {path.label:<20} chunks {label}: first chunk p50 {result.ttfc_p50_ms:6.2f} ms"
                 f"  p95 {result.ttfc_p95_ms:6.2f} ms  failures {result.failures}"
+            )
+    throughput: list[dict[str, Any]] = []
+    for concurrency in args.concurrency if "throughput" in args.parts else []:
+        say(
+            f"streaming throughput, {concurrency} concurrent streams of {args.stream_chunks} chunks"
+        )
+        for path in live:
+            throughput.append(
+                measure_throughput(path, concurrency, stub=stub, aux=aux, settings=settings)
             )
     results: dict[str, Any] = {
         "meta": {
@@ -461,6 +567,7 @@ def _run_with_stack(
                 **settings,
                 "concurrency": args.concurrency,
                 "streams": args.streams,
+                "parts": args.parts,
                 "hop_loop": args.hop_loop,
                 "wrk_threads": "1 at c=1, else 2",
                 "nginx_workers": 1,
@@ -470,7 +577,7 @@ def _run_with_stack(
             "stream_pace_ms": PACE_MS,
             "machine": machine_facts(),
             "versions": versions(
-                tools.get("nginx"), wrk, args.litellm_venv if litellm_exe else None
+                tools.get("nginx"), tools.get("wrk"), args.litellm_venv if litellm_exe else None
             ),
             "git": git_facts(),
             "stack": {"services": stack.services, "limits": key_note},
@@ -483,6 +590,7 @@ def _run_with_stack(
         "points": points,
         "streams": streams,
         "streams_paced": paced,
+        "throughput": throughput,
         "notes": notes,
     }
     results["targets"] = _report.targets(results)

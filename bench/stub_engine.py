@@ -11,6 +11,11 @@ else is accepted and ignored) and answers, on HTTP/1.1 with keep-alive:
   1024) fixed SSE chunks, one HTTP chunk and one write each, then a usage chunk when
   ``stream_options.include_usage`` is true, then ``data: [DONE]``. The chunks go out
   back to back, or ``x_stub_chunk_ms`` apart when the body sets that (a token rate).
+  ``x_stub_chunks`` (1 to 100,000) sets the number of chunks instead of
+  ``max_tokens``: the long streams of the streaming-throughput point. Back to back
+  means one write per chunk and a turn of the event loop between two: every stream
+  of the stub gets one chunk out per turn, as an engine decoding all its slots at
+  once sends one token per stream per step.
 
 Nothing is computed per request beyond parsing the JSON body, so the stub is the same
 constant cost behind every path the benchmark compares. It is a raw asyncio protocol
@@ -38,6 +43,10 @@ PROMPT_TOKENS = 12
 # A request field (ignored by real engines) for the time between chunks in ms; absent,
 # the chunks go out back to back, each in its own write.
 PACE_FIELD = "x_stub_chunk_ms"
+# A request field for the number of chunks, above max_tokens' cap: a long stream whose
+# cost is its chunks, not its request.
+CHUNKS_FIELD = "x_stub_chunks"
+MAX_LONG_CHUNKS = 100_000
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found"}
 
@@ -268,6 +277,9 @@ class StubProtocol(asyncio.Protocol):
         if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
             tokens = DEFAULT_CHUNKS
         tokens = min(tokens, MAX_CHUNKS)
+        long = data.get(CHUNKS_FIELD)
+        if isinstance(long, int) and not isinstance(long, bool) and 1 <= long <= MAX_LONG_CHUNKS:
+            tokens = long
         options = data.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
         gap = data.get(PACE_FIELD)
