@@ -344,11 +344,31 @@ def _first_boundary(buf: bytes, start: int = 0) -> int:
 
 
 def _events(block: bytes) -> list[bytes]:
-    """``block`` (ending at an event boundary) cut into events, terminators included."""
+    """``block`` (ending at an event boundary) cut into events, terminators included.
+
+    Linear in the size of the block: each separator is searched again only once the
+    cut has passed its last match. A search of the rest of the block for every
+    separator at every event made a coalesced block of n events cost n times its
+    size (three of the four separators never occur in an engine's stream).
+    """
+    if b"\r" not in block:
+        # Every engine's stream: "\n\n" is then the only separator (the others hold \r).
+        pieces = block.split(b"\n\n")
+        out = [piece + b"\n\n" for piece in pieces[:-1]]
+        if pieces[-1]:
+            out.append(pieces[-1])
+        return out
     out = []
     pos = 0
+    ahead = [block.find(sep) for sep in _BOUNDARIES]  # each one's next match at or after pos
     while pos < len(block):
-        end = _first_boundary(block, pos)
+        end = -1
+        for k, sep in enumerate(_BOUNDARIES):
+            i = ahead[k]
+            if 0 <= i < pos:
+                i = ahead[k] = block.find(sep, pos)
+            if i >= 0 and (end < 0 or i + len(sep) < end):
+                end = i + len(sep)
         if end < 0:
             out.append(block[pos:])
             break
@@ -357,9 +377,34 @@ def _events(block: bytes) -> list[bytes]:
     return out
 
 
+def _start_of_event_at(block: bytes, index: int) -> int:
+    """Offset where the event holding ``block[index]`` begins (after the blank line
+    before it), for a marker at ``index`` that holds no line break."""
+    start = 0
+    for sep in _BOUNDARIES:
+        i = block.rfind(sep, 0, index)
+        if i >= 0 and i + len(sep) > start:
+            start = i + len(sep)
+    return start
+
+
+def _first_marked(block: bytes) -> int:
+    """Offset of the first usage or finish marker in ``block``; -1 when there is none."""
+    first = -1
+    for marker in _MARKERS:
+        i = block.find(marker)
+        if i >= 0 and (first < 0 or i < first):
+            first = i
+    return first
+
+
+_FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
+_MARKERS = (_USAGE_KEY, *_FINISH_MARKERS)
+
+
 def _has_finish(event: bytes) -> bool:
     # A string finish_reason (not null): the last content chunk of a choice.
-    return b'"finish_reason":"' in event or b'"finish_reason": "' in event
+    return _FINISH_MARKERS[0] in event or _FINISH_MARKERS[1] in event
 
 
 def _timings_member(event: bytes, doc: dict[str, Any]) -> bytes | None:
@@ -444,8 +489,10 @@ class StreamFilter:
             self._draining = False
             buf = buf[end:]
         end = _last_boundary(buf)
-        if end and _USAGE_KEY in (buf if end == len(buf) else buf[:end]):
-            for event in _events(buf[:end]):
+        at = buf.find(_USAGE_KEY, 0, end) if end else -1
+        if at >= 0:
+            # Only the events from the first one with a usage on need cutting.
+            for event in _events(buf[_start_of_event_at(buf, at) : end]):
                 if _USAGE_KEY in event:
                     self._note_usage(event)
         tail = buf[end:] if end != len(buf) else b""
@@ -462,9 +509,16 @@ class StreamFilter:
         return doc
 
     def _process(self, block: bytes) -> bytes:
-        if not self._held and _USAGE_KEY not in block and not _has_finish(block):
+        if self._held:
+            return b"".join([self._event(event) for event in _events(block)])
+        at = _first_marked(block)
+        if at < 0:
             return block  # nothing to drop or hold: the common chunk
-        return b"".join([self._event(event) for event in _events(block)])
+        # The events before the first one to look at go out as they are: a coalesced
+        # block of many content chunks is not cut into events for its last one.
+        start = _start_of_event_at(block, at)
+        rest = b"".join([self._event(event) for event in _events(block[start:])])
+        return block[:start] + rest if start else rest
 
     def _event(self, event: bytes) -> bytes:
         if _USAGE_KEY in event:
