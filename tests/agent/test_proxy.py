@@ -31,6 +31,7 @@ class Env:
     base: str
     proxy: Proxy
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    release_last: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     ready: bool = True
     front: FrontListener | None = None
@@ -76,6 +77,21 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def sse_burst(request: web.Request) -> web.StreamResponse:
+        # One event alone, then three written back to back (they reach the proxy in one
+        # read, as an engine's chunks do when the proxy lags), then one alone again.
+        env = env_holder["env"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: e1\n\n")
+        await asyncio.wait_for(env.release.wait(), 10)
+        for event in (b"data: e2\n\n", b"data: e3\n\n", b"data: e4\n\n"):
+            await resp.write(event)
+        await asyncio.wait_for(env.release_last.wait(), 10)
+        await resp.write(b"data: e5\n\n")
+        await resp.write_eof()
+        return resp
+
     async def stall(request: web.Request) -> web.Response:
         try:
             await asyncio.sleep(30)
@@ -95,6 +111,7 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
     app.router.add_route("*", "/echo{tail:.*}", echo)
     app.router.add_get("/sse", sse)
     app.router.add_get("/sse-at-once", sse_at_once)
+    app.router.add_get("/sse-burst", sse_burst)
     app.router.add_get("/stall", stall)
     app.router.add_get("/stall-mid", stall_mid)
     return app
@@ -329,6 +346,44 @@ async def test_headers_and_first_chunk_leave_in_one_write(
         env.release.set()
         rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
         assert b"data: second" in rest
+    finally:
+        writer.close()
+
+
+async def test_waiting_chunks_leave_in_one_write_and_a_lone_one_at_once(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Chunks already buffered when the relay wakes go on in one write; a chunk that is
+    alone goes on at once, while the engine has sent nothing more (no timer, no wait)."""
+    import asyncio.selector_events as selector_events
+
+    writes: list[bytes] = []
+    original = selector_events._SelectorSocketTransport.write
+
+    def spy(self: Any, data: Any) -> None:
+        writes.append(bytes(data))
+        original(self, data)
+
+    monkeypatch.setattr(selector_events._SelectorSocketTransport, "write", spy)
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(env))
+    try:
+        writer.write(b"GET /agent/v1/proxy/m-1/sse-burst HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        first = await asyncio.wait_for(reader.readuntil(b"data: e1\n\n"), 5)
+        assert first.startswith(b"HTTP/1.1 200")
+        assert not env.release.is_set()  # the engine holds e2: e1 did not wait for it
+        env.release.set()
+        await asyncio.wait_for(reader.readuntil(b"data: e4\n\n"), 5)
+        burst = [w for w in writes if b"data: e2" in w or b"data: e3" in w or b"data: e4" in w]
+        # The engine wrote each one on its own; the proxy wrote them together, once.
+        together = [w for w in burst if b"data: e2" in w and b"data: e4" in w]
+        assert len(together) == 1, burst
+        assert together[0].count(b"data: e3") == 1
+        assert len(burst) == 4, burst
+        assert not env.release_last.is_set()
+        env.release_last.set()
+        rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+        assert b"data: e5\n\n" in rest
     finally:
         writer.close()
 
