@@ -1,6 +1,6 @@
 """Side-by-side overhead of MirbadLLM's /v1 against reference proxies, in one run.
 
-    .venv/bin/python bench/router.py            # full run (about 5 minutes on 2 cores)
+    .venv/bin/python bench/router.py            # full run (about 9 minutes on 2 cores)
     .venv/bin/python bench/router.py --quick    # smoke run: c=1 and c=64, 3 s per point
 
 One stub engine (bench/stub_engine.py) is launched by a real MirbadLLM stack
