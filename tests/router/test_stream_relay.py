@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from agent import WirePool
+from protocol.wire import WirePool
 from router import transform
 from router.app import _stream
 
