@@ -39,11 +39,18 @@ from agent._errors import (
     ERROR_HEADER,
     ApiError,
     ClientNotMaster,
-    ReadTimeout,
     UpstreamUnavailable,
-    WireError,
 )
-from agent.http._proxy import Proxy, Upstream, request_headers, response_headers, split_target
+from agent.http._proxy import (
+    SMALL_BODY,
+    Proxy,
+    StreamBroken,
+    Upstream,
+    relay_mode,
+    request_headers,
+    response_headers,
+    split_target,
+)
 from agent.identity import handshake_refusal
 from protocol.http_limits import (
     KEEPALIVE_SECONDS,
@@ -62,7 +69,6 @@ log = logging.getLogger("mirbad.agent.proxy")
 
 PREFIX = b"/agent/v1/proxy/"
 ERROR_HEADER_BYTES = ERROR_HEADER.encode()
-SMALL_BODY = 1024 * 1024  # up to this, request and answer bodies go in one write
 READ_PAUSE = 1024 * 1024  # a streamed upload stops reading above this much buffered
 
 Verdict = Callable[[asyncio.BaseTransport], str | None]
@@ -377,7 +383,8 @@ class ProxyFront(asyncio.Protocol):
         self, request: _Request, response: WireResponse, upstream: Upstream, keep_alive: bool
     ) -> None:
         status = response.status
-        if request.method == "HEAD" or status in (204, 304):
+        mode = relay_mode(request.method, response)
+        if mode == "empty":
             self._write(
                 _head(
                     status,
@@ -387,9 +394,7 @@ class ProxyFront(asyncio.Protocol):
                 )
             )
             return
-        length = response.content_length
-        streamed = "text/event-stream" in (response.header("content-type") or "")
-        if not streamed and length is not None and length <= SMALL_BODY:
+        if mode == "whole":
             try:
                 whole = await self._proxy.read_whole(response, upstream)
             except UpstreamUnavailable as exc:
@@ -408,19 +413,11 @@ class ProxyFront(asyncio.Protocol):
         first = response.take_buffered()
         self._write(head + _chunk(first) if first else head)
         try:
-            async for chunk in response.iter_chunks():
-                if chunk:
-                    self._write(_chunk(chunk))
-                    if self._write_paused:
-                        await self._drained()
-        except ReadTimeout:
-            log.warning("%s; aborting the stream", self._proxy.idle_message(upstream))
-            self.abort()
-            return
-        except WireError as exc:
-            # The engine went away mid-stream: that must not look like a complete answer,
-            # so the client connection is cut rather than ended.
-            log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
+            async for chunk in self._proxy.rest_of_stream(response, upstream):
+                self._write(_chunk(chunk))
+                if self._write_paused:
+                    await self._drained()
+        except StreamBroken:
             self.abort()
             return
         self._write(b"0\r\n\r\n")

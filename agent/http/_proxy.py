@@ -14,13 +14,24 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from aiohttp import web
 
 from agent._errors import ReadTimeout, ServerBusy, UpstreamUnavailable, WireError
 from protocol.wire import WirePool, WireResponse
 
-__all__ = ["Proxy", "Upstream", "engine_slots", "request_headers", "response_headers"]
+__all__ = [
+    "SMALL_BODY",
+    "Proxy",
+    "RelayMode",
+    "StreamBroken",
+    "Upstream",
+    "engine_slots",
+    "relay_mode",
+    "request_headers",
+    "response_headers",
+]
 
 log = logging.getLogger("mirbad.agent.proxy")
 
@@ -39,10 +50,35 @@ _HOP_BY_HOP = frozenset(
 )
 # The wire client frames the request itself (Host, Content-Length or chunked).
 _REQUEST_DROP = frozenset({"host", "authorization", "expect", "content-length"})
-_SMALL_BODY = 1024 * 1024
+SMALL_BODY = 1024 * 1024  # up to this, request and answer bodies go in one write
 _CHUNK = 64 * 1024
 _SLOT_FLAGS = ("-np", "--parallel")
 LLAMA_AUTO_SLOTS = 4  # llama-server's slots without -np (or with -np -1: "auto")
+
+
+RelayMode = Literal["empty", "whole", "stream"]
+
+
+def relay_mode(method: str, response: WireResponse) -> RelayMode:
+    """How an engine's answer is passed on; the one rule of both proxy stacks (D32).
+
+    ``empty``: no body (HEAD, 204, 304). ``whole``: a small answer that is not an event
+    stream, read whole and written with its head in one write. ``stream``: everything
+    else, the first buffered chunk with the head, then what has arrived at each read
+    (:meth:`Proxy.rest_of_stream`), never holding back a chunk that is alone.
+    """
+    if method == "HEAD" or response.status in (204, 304):
+        return "empty"
+    length = response.content_length
+    streamed = "text/event-stream" in (response.header("content-type") or "")
+    if not streamed and length is not None and length <= SMALL_BODY:
+        return "whole"
+    return "stream"
+
+
+class StreamBroken(Exception):
+    """The engine stopped or went silent mid-stream (already logged): the relay must cut
+    the client's connection, so a broken answer never looks complete."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +275,7 @@ class Proxy:
         body: AsyncIterator[bytes] | bytes | None = None
         if request.body_exists:
             length = request.content_length
-            if length is not None and length <= _SMALL_BODY:
+            if length is not None and length <= SMALL_BODY:
                 # Almost every request: one write of headers and body, where a streamed
                 # upload costs a chunked write per piece (a third of the agent's CPU).
                 body = await request.read()
@@ -261,13 +297,28 @@ class Proxy:
             "it may be stalled or overloaded."
         )
 
+    async def rest_of_stream(
+        self, response: WireResponse, upstream: Upstream
+    ) -> AsyncIterator[bytes]:
+        """The body after its buffered first chunk, each read as one piece (what is
+        waiting goes on together); StreamBroken when the engine fails mid-stream."""
+        try:
+            async for chunk in response.iter_chunks():
+                if chunk:
+                    yield chunk
+        except ReadTimeout:
+            log.warning("%s; aborting the stream", self.idle_message(upstream))
+            raise StreamBroken from None
+        except WireError as exc:
+            log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
+            raise StreamBroken from None
+
     async def _relay(
         self, request: web.Request, response: WireResponse, upstream: Upstream
     ) -> web.StreamResponse:
-        length = response.content_length
-        streamed = "text/event-stream" in (response.header("content-type") or "")
-        if not streamed and length is not None and length <= _SMALL_BODY:
-            # A small whole answer: read it, then send headers and body in one write.
+        # aiohttp itself leaves out the body of a HEAD, 204 or 304 answer, so "empty" is
+        # relayed like a stream (of nothing).
+        if relay_mode(request.method, response) == "whole":
             body = await self.read_whole(response, upstream)
             whole = web.Response(status=response.status, body=body)
             whole.headers.extend(response_headers(response, frozenset({"content-length"})))
@@ -281,15 +332,13 @@ class Proxy:
         try:
             if first:
                 await out.write(first)
-            async for chunk in response.iter_chunks():
+            async for chunk in self.rest_of_stream(response, upstream):
                 await out.write(chunk)
-        except ReadTimeout:
-            log.warning("%s; aborting the stream", self.idle_message(upstream))
+        except StreamBroken:
             self._abort(request)
             return out
-        except (WireError, ConnectionResetError) as exc:
-            # Either side went away mid-stream. An upstream failure must not look like a
-            # complete response, so the client connection is cut rather than ended.
+        except ConnectionResetError as exc:
+            # The client went away mid-stream.
             log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
             self._abort(request)
             return out
