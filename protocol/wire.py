@@ -34,7 +34,7 @@ import select
 import ssl
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, cast
 
 import httptools
 
@@ -100,7 +100,9 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        # asyncio.Protocol's signature says BaseTransport; a stream connection is always
+        # handed a Transport (create_connection), which write and pause need.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         response = self.response

@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeGuard
 
 from agent._util import iso_time
 
@@ -22,7 +22,8 @@ RSS, GPU_DELTA = "rss", "gpu-delta"
 MIB = 2**20
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is a true int (JSON's true/false are bools, and bool is an int)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -572,7 +572,7 @@ class FrontListener:
         self,
         *,
         proxy: Proxy,
-        fallback: Callable[[], Any],
+        fallback: Callable[[], asyncio.Protocol],
         verdict: Verdict,
         limits: HttpLimits | None = None,
     ) -> None:

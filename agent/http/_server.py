@@ -19,6 +19,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from agent._config import AgentConfig
 from agent._errors import (
@@ -86,7 +87,7 @@ def _api_error_response(error: ApiError) -> web.Response:
 
 
 @web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Answer every error in the contract's JSON shape, whatever raised it."""
     try:
         return await handler(request)
@@ -204,10 +205,13 @@ class AgentServer:
             **aiohttp_handler_limits(limits),
         )
         await self._runner.setup()
+        server = self._runner.server
+        if server is None:  # setup() makes it; AppRunner types it optional for before then
+            raise RuntimeError("aiohttp's AppRunner has no server after setup()")
         # Proxy requests are served on a lean protocol; any other request hands its
         # connection to aiohttp (D32).
         self._front = FrontListener(
-            proxy=self.proxy, fallback=self._runner.server, verdict=self.peer_verdict, limits=limits
+            proxy=self.proxy, fallback=server, verdict=self.peer_verdict, limits=limits
         )
         self.port = await self._front.start(
             self.config.listen_address, self.config.port, ssl=self.ssl_context()
@@ -307,7 +311,7 @@ class AgentServer:
 
     @web.middleware
     async def _client_cert_middleware(
-        self, request: web.Request, handler: Any
+        self, request: web.Request, handler: Handler
     ) -> web.StreamResponse:
         transport = request.transport
         verdict = self.peer_verdict(transport) if transport else "the connection is gone"
@@ -320,7 +324,9 @@ class AgentServer:
         return await handler(request)
 
     @web.middleware
-    async def _fencing_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _fencing_middleware(
+        self, request: web.Request, handler: Handler
+    ) -> web.StreamResponse:
         """Check the master's fencing triple before any mutation (not reads, not the proxy)."""
         mutating = request.method in ("POST", "PUT", "DELETE", "PATCH") and not (
             request.path.startswith("/agent/v1/proxy/")
@@ -346,7 +352,7 @@ class AgentServer:
             return None
 
     @web.middleware
-    async def _oplog_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _oplog_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Write each mutation to the operation log before it runs; answer repeats from it."""
         if request.method not in ("POST", "PUT", "DELETE", "PATCH") or request.path.startswith(
             "/agent/v1/proxy/"
@@ -382,7 +388,9 @@ class AgentServer:
         except Exception:
             await self.oplog.close(op_id, status=500, body=None)
             raise
-        body = response.body if isinstance(getattr(response, "body", None), bytes) else None
+        # A web.Response carries its body; a streamed response has none to keep.
+        raw = getattr(response, "body", None)
+        body = raw if isinstance(raw, bytes) else None
         await self.oplog.close(op_id, status=response.status, body=body)
         response.headers[OPERATION_HEADER] = op_id
         return response

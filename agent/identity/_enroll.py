@@ -46,10 +46,10 @@ from agent.identity._tls import (
     generate_key_and_csr,
     has_identity,
     load_identity,
-    spki_sha256,
     store_identity,
     validate_issued_cert,
 )
+from protocol.identity import spki_sha256
 
 __all__ = [
     "BOOTSTRAP_FILE",
@@ -194,9 +194,10 @@ def fetch_ca(enroll_url: str, *, timeout: float = 10.0) -> str:
     # its SPKI hash matched the operator's --ca-hash.
     ctx.verify_mode = ssl.CERT_NONE
     status, body = _request(enroll_url, "/ca", ctx, method="GET", body=None, timeout=timeout)
-    if status != 200 or not isinstance(body, dict) or not isinstance(body.get("caCertPem"), str):
+    pem = body.get("caCertPem") if isinstance(body, dict) else None
+    if status != 200 or not isinstance(pem, str):
         raise EnrollmentError(f"GET {enroll_url}/ca answered {status} without a caCertPem.")
-    return body["caCertPem"]
+    return pem
 
 
 def _refusal(status: int, body: Any) -> EnrollmentError:

@@ -218,6 +218,9 @@ class _AlertingSSLObject(ssl.SSLObject):
     """
 
     handshake_error: ssl.SSLError | None = None
+    # ssl.SSLObject's C-level _ssl._SSLSocket, set by its constructor; typeshed leaves
+    # it undeclared (a private attribute), and read below calls it directly.
+    _sslobj: Any
 
     def do_handshake(self) -> None:
         if self.handshake_error is not None:

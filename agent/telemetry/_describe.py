@@ -45,7 +45,8 @@ CPU_FEATURES = ("sse4_2", "avx", "avx2", "avx512f", "avx512_bf16", "fma", "f16c"
 
 def cpu_info() -> dict[str, Any]:
     """The CPU model, its logical and physical counts and the features engines care about."""
-    model, flags = platform.processor() or "", set()
+    model = platform.processor() or ""
+    flags: set[str] = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")

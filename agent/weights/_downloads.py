@@ -24,6 +24,7 @@ bytes in ``.partial``, which the disk pre-check counts as already there.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import json
 import logging
@@ -273,7 +274,8 @@ class DownloadManager:
         """Folders with a download Queued or Running (or being set up)."""
         return {d.folder for d in self._downloads.values() if d.state in ACTIVE} | self._claimed
 
-    def heartbeat(self) -> list[dict[str, Any]]:
+    # builtins.list: inside this class, plain ``list`` names the method above.
+    def heartbeat(self) -> builtins.list[dict[str, Any]]:
         """Compact JSON of the going downloads and those finished in the last 10 minutes."""
         horizon = time.time() - RECENT_SECONDS
         return [

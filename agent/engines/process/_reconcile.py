@@ -137,7 +137,8 @@ def matches_record(obs: Observed, record: dict[str, Any]) -> bool:
         return False
     if obs.program != recorded_program:
         return False
-    digest = record.get("argvDigest")
+    # object, not Any: a record read from disk may hold anything under this key.
+    digest: object = record.get("argvDigest")
     if digest:
         return obs.digest == digest
     # A record of an agent that did not keep the digest: its exact command line.

@@ -42,6 +42,7 @@ peak kept. The measurement is persisted with the record, so an adopted engine ke
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
 import logging
 import os
@@ -281,7 +282,8 @@ class ProcessRuntime(GpuStarts, Adoption):
         self._bus.publish("instance", inst.to_json())
         return inst.to_json()
 
-    def _argv(self, inst: Instance) -> list[str]:
+    # builtins.list: inside this class, plain ``list`` names the method above.
+    def _argv(self, inst: Instance) -> builtins.list[str]:
         assert inst.port is not None
         return [
             str(inst.executable.path),
