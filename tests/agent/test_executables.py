@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,11 @@ def test_tampered_file_is_unverified(tmp_path: Path) -> None:
         (lambda f: (f / "manifest.json").unlink(), "does not exist"),
     ],
 )
-def test_folder_changes_are_unverified(tmp_path: Path, change: object, needle: str) -> None:
+def test_folder_changes_are_unverified(
+    tmp_path: Path, change: Callable[[Path], object], needle: str
+) -> None:
     entry = make_folder(tmp_path)
-    change(entry.path.parent)  # type: ignore[operator]
+    change(entry.path.parent)
     assert needle in (verify(entry) or "")
 
 

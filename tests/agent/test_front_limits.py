@@ -58,7 +58,7 @@ async def front(limits: HttpLimits) -> AsyncIterator[FrontListener]:
     listener = FrontListener(
         proxy=proxy, fallback=runner.server, verdict=lambda _: None, limits=limits
     )
-    listener.port = await listener.start("127.0.0.1", 0)  # type: ignore[attr-defined]
+    listener.port = await listener.start("127.0.0.1", 0)  # type: ignore[attr-defined]  # the test keeps it there
     try:
         yield listener
     finally:
@@ -70,7 +70,7 @@ async def front(limits: HttpLimits) -> AsyncIterator[FrontListener]:
 @pytest.fixture
 async def port() -> AsyncIterator[int]:
     async with front(LIMITS) as listener:
-        yield listener.port  # type: ignore[attr-defined]
+        yield listener.port  # type: ignore[attr-defined]  # set by front() above
 
 
 def head(path: bytes, *lines: bytes, method: bytes = b"GET") -> bytes:
@@ -125,7 +125,7 @@ async def test_limits_go_on_after_the_hand_off_to_aiohttp(port: int) -> None:
 
 async def test_connections_over_the_cap_get_503_handed_off_ones_included() -> None:
     async with front(replace(LIMITS, head_timeout_seconds=30.0, max_connections=3)) as listener:
-        port = listener.port  # type: ignore[attr-defined]
+        port = listener.port  # type: ignore[attr-defined]  # set by front() above
         handed = await asyncio.open_connection("127.0.0.1", port)
         handed[1].write(head(CONTROL))
         assert (await asyncio.wait_for(handed[0].readuntil(b"\r\n\r\n"), 5)).startswith(

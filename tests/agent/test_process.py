@@ -78,7 +78,7 @@ async def test_ready_and_secrets_stay_out_of_argv(runtime_factory: Any, state_di
         first = await runtime.launch(launch_body(env={"OMP_NUM_THREADS": "1"}))
         assert first["state"] == "Starting" and first["port"] is not None
         ready = await wait_state(runtime, "m-1", "Ready")
-        states = [(await events.get()).data["state"] for _ in range(2)]  # type: ignore[union-attr]
+        states = [(await events.get()).data["state"] for _ in range(2)]  # type: ignore[union-attr]  # None only once unsubscribed
     assert states == ["Starting", "Ready"]
     assert 18100 <= ready["port"] <= 18999
     assert ready["pid"] and ready["readyAt"] and ready["fingerprint"].startswith("sha256:")

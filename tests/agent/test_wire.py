@@ -131,7 +131,7 @@ def echo_app() -> web.Application:
                 # A digest, not the bytes: the answer stays small whatever the body.
                 "sha256": hashlib.sha256(body).hexdigest(),
                 "length": len(body),
-                "port": request.transport.get_extra_info("peername")[1],  # type: ignore[union-attr]
+                "port": request.transport.get_extra_info("peername")[1],  # type: ignore[union-attr]  # open while its handler runs
             },
             headers=CIMultiDict([("X-Rep", "a"), ("X-Rep", "b")]),
         )
@@ -151,7 +151,7 @@ async def make_pool() -> AsyncIterator[Callable[..., WirePool]]:
     made: list[WirePool] = []
 
     def make(**options: float) -> WirePool:
-        pool = WirePool(**{"connect_timeout": 2.0, **options})  # type: ignore[arg-type]
+        pool = WirePool(**{"connect_timeout": 2.0, **options})  # type: ignore[arg-type]  # float options only; mypy checks each parameter
         made.append(pool)
         return pool
 
