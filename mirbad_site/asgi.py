@@ -17,7 +17,6 @@ django_app = get_asgi_application()
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
-from django.conf import settings  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
@@ -25,7 +24,8 @@ from console.consumers import FleetConsumer  # noqa: E402
 from router.app import RouterApp  # noqa: E402
 
 router_app = RouterApp()
-http_app = ASGIStaticFilesHandler(django_app) if settings.STATICFILES_DIRS else django_app
+# The console's and the API docs' static files come from the apps' static/ folders.
+http_app = ASGIStaticFilesHandler(django_app)
 
 
 async def http_dispatch(scope: dict, receive: object, send: object) -> None:
