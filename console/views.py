@@ -16,8 +16,9 @@ from models_registry import lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
 from nodes import services, status_cache
+from nodes import status as node_status
 from nodes.models import Node
-from nodes.states import registry_state
+from nodes.status_cache import NodeStatus
 
 operator_required = staff_member_required(login_url="/login/")
 
@@ -30,21 +31,17 @@ def _gib(value: object) -> float | None:
 def overview(request: HttpRequest) -> HttpResponse:
     nodes = list(Node.objects.all())
     models = list(ModelDefinition.objects.prefetch_related("placements__node"))
-    statuses = status_cache.read_many(
-        sorted(
-            {n.node_id for n in nodes}
-            | {p.node.node_id for m in models for p in m.placements.all()}
-        )
+    statuses = node_status.read_many(
+        [*nodes, *(p.node for m in models for p in m.placements.all())]
     )
     node_rows = []
     for node in nodes:
-        status = statuses.get(node.node_id) or {}
+        status = statuses[node.node_id]
         memory = (status.get("telemetry") or {}).get("memory") or {}
-        fixed = registry_state(approved=node.approved, revoked=node.revoked)
         node_rows.append(
             {
                 "node_id": node.node_id,
-                "state": fixed.value if fixed else status.get("state", "Offline"),
+                "state": node_status.state_of(status),
                 "approved": node.approved,
                 "revoked": node.revoked,
                 "draining": node.draining,
@@ -85,22 +82,18 @@ def _utc(moment: float | None) -> datetime.datetime | None:
     return datetime.datetime.fromtimestamp(moment, datetime.UTC) if moment is not None else None
 
 
-def _model_row(model: ModelDefinition, statuses: dict) -> dict[str, object]:
-    """One model line: state, budget beside what it really uses, restarts, notes."""
-    state = model_services.model_state(model, statuses)
+def _model_row(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[str, object]:
+    """One model line: the row model.updated also carries, the budget, notes."""
+    summary = model_services.model_summary(model, statuses)
     budget = model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes")
-    measured = None
-    restarts = 0
     notes = []
     for placement in model.placements.all():
         status = statuses.get(placement.node.node_id) or {}
         inst = (status.get("instances") or {}).get(placement.instance_id)
         if not inst:
             continue
-        restarts += int(inst.get("restartCount") or 0)
         value = (inst.get("measured") or {}).get("bytes")
         if isinstance(value, int):
-            measured = (measured or 0) + value
             flag = lifecycle.over_budget_text(budget, value)
             if flag:
                 notes.append(f"{placement.node.node_id}: {flag}")
@@ -111,12 +104,12 @@ def _model_row(model: ModelDefinition, statuses: dict) -> dict[str, object]:
     return {
         "id": model.pk,
         "served_name": model.served_name,
-        "state": state["state"],
-        "node_id": state["nodeId"] or "-",
-        "error": state["error"] or "",
+        "state": summary["state"],
+        "node_id": summary["nodeId"] or "-",
+        "error": summary["error"] or "",
         "budget_gib": _gib(budget),
-        "measured_gib": _gib(measured),
-        "restarts": restarts,
+        "measured_gib": _gib(summary["measuredBytes"]),
+        "restarts": summary["restartCount"],
         "notes": "; ".join(notes),
     }
 
@@ -160,16 +153,15 @@ def add_node(request: HttpRequest) -> HttpResponse:
 def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse:
     try:
         if action == "approve":
-            node = services.approve_node(node_id)
+            services.approve_node(node_id)
         elif action == "revoke":
-            node = services.revoke_node(node_id)
+            services.revoke_node(node_id)
         elif action in ("drain", "undrain"):
-            node = services.set_draining(node_id, action == "drain")
+            services.set_draining(node_id, action == "drain")
         else:
             return HttpResponse(status=404)
     except ServiceError as exc:
         return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
-    services.announce(node)
     return redirect("overview")
 
 

@@ -335,12 +335,12 @@ class Launcher:
         return " ready." in self._child("worker").new_output()
 
     def _node_online(self) -> bool:
-        from nodes import status_cache
-        from nodes.states import SERVING
+        from nodes import status
+        from nodes.models import Node
 
         with contextlib.suppress(Exception):
-            status = status_cache.read(self.config.bootstrap_node_id)
-            return status is not None and status.get("state") in SERVING
+            node = Node.objects.filter(node_id=self.config.bootstrap_node_id).first()
+            return node is not None and status.is_serving(status.read(node))
         return False
 
     def demo_model(self) -> str:
@@ -367,12 +367,11 @@ class Launcher:
             )
         lifecycle.start_model(model.pk)
         deadline = time.monotonic() + STARTUP_TIMEOUT
-        from nodes import status_cache
+        from nodes import status
 
         while time.monotonic() < deadline:
             state = services.model_state(
-                model,
-                {p.node.node_id: status_cache.read(p.node.node_id) for p in model.placements.all()},
+                model, status.read_many(p.node for p in model.placements.all())
             )
             if state["state"] == "Ready":
                 return model.served_name

@@ -27,7 +27,7 @@ from typing import Any
 from core.errors import ServiceError
 from models_registry.lifecycle import agent_error
 from models_registry.models import ModelDefinition
-from nodes import status_cache
+from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentError, AgentRefused, check_folder
 from nodes.models import Node
 from nodes.services import node_from_param
@@ -318,7 +318,7 @@ def reclaimable() -> dict[str, Any]:
     """
     used = _referenced()
     nodes = list(Node.objects.filter(approved=True, revoked=False).order_by("node_id"))
-    statuses = status_cache.read_many([n.node_id for n in nodes])
+    statuses = node_status.read_many(nodes)
     out = []
     for node in nodes:
         status = statuses.get(node.node_id) or {}

@@ -30,10 +30,10 @@ from models_registry import admission, llamacpp
 from models_registry.estimate import GIB, EstimateError
 from models_registry.models import MemorySample, ModelDefinition, Placement
 from models_registry.services import get_model
-from nodes import fencing, status_cache
+from nodes import fencing
+from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.models import Node
-from nodes.states import SERVING
 from protocol.errors import AgentCode
 from protocol.states import ACTIVE, InstanceState
 
@@ -96,12 +96,8 @@ def restart_pending(model: ModelDefinition, placement: Placement, instance: dict
 # -- refusals ---------------------------------------------------------------------------
 
 
-def node_status(node: Node) -> dict[str, Any] | None:
-    return status_cache.read(node.node_id)  # type: ignore[return-value]
-
-
-def check_node_for_start(node: Node) -> dict[str, Any] | None:
-    """The node-level refusals; answers the node's cached status."""
+def check_node_for_start(node: Node) -> dict[str, Any]:
+    """The node-level refusals; answers the node's effective status (nodes.status)."""
     if node.revoked:
         raise ServiceError(409, "node_revoked", f"Node '{node.node_id}' is revoked.")
     if not node.approved:
@@ -110,15 +106,7 @@ def check_node_for_start(node: Node) -> dict[str, Any] | None:
         raise ServiceError(
             409, "node_draining", f"Node '{node.node_id}' is draining; no new starts."
         )
-    status = node_status(node)
-    state = status.get("state") if status else "Offline"
-    if state not in SERVING:
-        raise ServiceError(
-            503,
-            "node_not_serving",
-            f"Node {node.node_id} is not serving (state: {state}); the model cannot start now.",
-        )
-    return status
+    return dict(node_status.require_serving(node, "the model cannot start now"))
 
 
 def agent_error(node: Node, exc: Exception) -> ServiceError:
@@ -243,7 +231,7 @@ def model_estimate(model_id: int, *, node_id: str | None = None) -> dict[str, An
     placements = _placements(model, node_id)
     answers = []
     for placement in placements:
-        status = node_status(placement.node)
+        status = dict(node_status.read(placement.node))
         header = read_header(model, placement.node)
         estimate = estimate_for(model, len(placement.gpu_uuids), header)
         lines = admission_lines(model, placement, estimate, status)
@@ -383,7 +371,7 @@ def autostart_node(node_id: str) -> list[dict[str, Any]]:
     node = Node.objects.filter(node_id=node_id, revoked=False, approved=True).first()
     if node is None or node.draining:
         return []
-    status = node_status(node) or {}
+    status = node_status.read(node)
     instances = status.get("instances") or {}
     outcomes = []
     placements = Placement.objects.select_related("model", "node").filter(

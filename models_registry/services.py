@@ -17,10 +17,11 @@ from django.db import transaction
 from core.errors import ServiceError
 from models_registry import llamacpp
 from models_registry.models import ModelDefinition, Placement
-from nodes import status_cache
+from nodes import status as node_status
 from nodes.agent_client import check_folder
+from nodes.events import ModelSummary
 from nodes.models import Node
-from nodes.states import SERVING
+from nodes.status_cache import NodeStatus
 from protocol.states import InstanceState
 
 log = logging.getLogger("mirbad.models")
@@ -242,10 +243,12 @@ def get_model(model_id: int) -> ModelDefinition:
     return model
 
 
-def model_state(
-    model: ModelDefinition, statuses: dict[str, status_cache.NodeStatus | None]
-) -> dict[str, Any]:
-    """The model's state as the console shows it, from the node status cache."""
+def model_state(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[str, Any]:
+    """The model's state over all its replicas, from effective node statuses.
+
+    ``statuses`` comes from ``nodes.status.read_many``: the best replica wins (Ready,
+    then Starting, Failed, Stopped); a replica whose node is not serving is Offline.
+    """
     placements = list(model.placements.all())
     if not placements:
         return {"state": "Unplaced", "nodeId": None, "error": None}
@@ -259,9 +262,10 @@ def model_state(
     for placement in placements:
         node_id = placement.node.node_id
         status = statuses.get(node_id)
-        if status is None or status.get("state") not in SERVING:
+        if not node_status.is_serving(status):
             candidate = {"state": "Offline", "nodeId": node_id, "error": None}
         else:
+            assert status is not None
             inst = (status.get("instances") or {}).get(placement.instance_id)
             if inst is None:
                 candidate = {"state": "Stopped", "nodeId": node_id, "error": None}
@@ -275,3 +279,47 @@ def model_state(
             best = candidate
     assert best is not None
     return best
+
+
+def model_summary(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> ModelSummary:
+    """A model's Overview row: the page renders it and ``model.updated`` carries it.
+
+    One function for both, so a live update shows what a reload would: the state over
+    all replicas (:func:`model_state`), restarts and measured memory summed over them.
+    """
+    state = model_state(model, statuses)
+    measured: int | None = None
+    restarts = 0
+    for placement in model.placements.all():
+        inst = ((statuses.get(placement.node.node_id) or {}).get("instances") or {}).get(
+            placement.instance_id
+        )
+        if not inst:
+            continue
+        restarts += int(inst.get("restartCount") or 0)
+        value = (inst.get("measured") or {}).get("bytes")
+        if isinstance(value, int):
+            measured = (measured or 0) + value
+    return ModelSummary(
+        modelId=model.pk,
+        servedName=model.served_name,
+        state=str(state["state"]),
+        nodeId=state["nodeId"],
+        error=state["error"],
+        restartCount=restarts,
+        measuredBytes=measured,
+    )
+
+
+def model_rows(node_id: str, model_ids: list[int] | None) -> list[ModelSummary]:
+    """The rows of the models placed on ``node_id`` (only ``model_ids`` when given).
+
+    The monitor's ``model.updated`` events (through ``nodes.hooks``): read after it
+    wrote the node's new record, so the row aggregates that record with the others.
+    """
+    models = ModelDefinition.objects.filter(placements__node__node_id=node_id)
+    if model_ids is not None:
+        models = models.filter(pk__in=model_ids)
+    listed = list(models.distinct().order_by("pk").prefetch_related("placements__node"))
+    statuses = node_status.read_many({p.node for m in listed for p in m.placements.all()})
+    return [model_summary(model, statuses) for model in listed]

@@ -18,9 +18,8 @@ from core.errors import ServiceError
 from models_registry import admission, lifecycle
 from models_registry.models import ModelDefinition
 from models_registry.services import get_model
-from nodes import status_cache
+from nodes import status as node_status
 from nodes.models import Node
-from nodes.states import SERVING
 
 
 def _holds(status: dict[str, Any], folder: str) -> bool:
@@ -62,24 +61,25 @@ def suggest_placements(model_id: int) -> dict[str, Any]:
     """GET /api/models/{id}/placement-suggestions."""
     model = get_model(model_id)
     nodes = list(Node.objects.filter(approved=True, revoked=False).order_by("node_id"))
-    statuses = status_cache.read_many([n.node_id for n in nodes])
+    statuses = node_status.read_many(nodes)
     holders = [
         n
         for n in nodes
-        if (statuses.get(n.node_id) or {}).get("state") in SERVING
-        and _holds(statuses.get(n.node_id) or {}, model.source_folder)
+        if node_status.is_serving(statuses[n.node_id])
+        and _holds(statuses[n.node_id], model.source_folder)
     ]
     budget, size = _budget_and_size(model, holders)
     candidates = []
     for node in nodes:
-        status: dict[str, Any] = dict(statuses.get(node.node_id) or {})
-        state = status.get("state", "Offline")
+        status: dict[str, Any] = dict(statuses[node.node_id])
+        state = node_status.state_of(statuses[node.node_id])
+        serving = node_status.is_serving(statuses[node.node_id])
         reasons: list[str] = []
         holds = _holds(status, model.source_folder)
         engine = _engine(node)
         gpus: list[str] = []
         fits = False
-        if state not in SERVING:
+        if not serving:
             reasons.append(f"not serving (state: {state})")
         if node.draining:
             reasons.append("draining")
@@ -132,7 +132,7 @@ def suggest_placements(model_id: int) -> dict[str, Any]:
             for inst in (status.get("instances") or {}).values()
             if inst.get("state") in lifecycle.ACTIVE
         )
-        usable = state in SERVING and not node.draining and engine is not False
+        usable = serving and not node.draining and engine is not False
         candidates.append(
             {
                 "node": node.node_id,

@@ -1,8 +1,8 @@
 """Nodes in the Django admin: the trust fields are the services', the commands are actions.
 
 Approval, revocation, pins, the certificate and what the agent reports change only
-through nodes.services (pins dropped and tokens deleted on revoke, the status cache
-and the console told), so the change form shows them read-only and the list offers
+through nodes.services (pins dropped and tokens deleted on revoke, the monitor told,
+which updates the status cache and the console), so the change form shows them read-only and the list offers
 the same commands as /api (docs/decisions.md D41).
 """
 
@@ -27,7 +27,7 @@ def _each(
     done = []
     for node in nodes:
         try:
-            services.announce(command(node.node_id))
+            command(node.node_id)
         except ServiceError as exc:
             modeladmin.message_user(request, f"{node.node_id}: {exc.message}", messages.ERROR)
         else:

@@ -1,27 +1,40 @@
-"""Typed websocket events and the Channels groups they go to.
+"""Typed Channels messages and the groups they go to.
 
-Groups are per scope: ``fleet`` (the Overview), ``node.<id>`` and
-``model.<id>``, so a page subscribes only to what it shows.
+Three groups, each with its own listeners and payloads:
+
+- ``fleet``: console events for the Overview (``FleetConsumer``). The monitor
+  publishes ``node.updated``, ``model.updated`` and ``download.updated`` here.
+- ``router.invalidate``: what makes a router process's caches wrong. Registry
+  changes (``router.signals``) send ``routes``/``keys``; the monitor sends
+  ``status`` with a node id when a node's state or instances change. Only the
+  routers' ``router.invalidation.Listener`` joins it.
+- ``monitor``: registry changes the monitor must act on (approve, revoke, drain,
+  maintenance, a new pin). Only the active monitor joins it; it recomputes the
+  node's status, writes it and publishes it (docs/decisions.md D42).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypedDict
 
+from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
+from django.db import transaction
 
 log = logging.getLogger("mirbad.events")
 
 FLEET_GROUP = "fleet"
+ROUTER_GROUP = "router.invalidate"
+MONITOR_GROUP = "monitor"
+# channels_redis expires group members it has not seen for a day: listeners rejoin.
+REJOIN_SECONDS = 3600.0
 
 
-def node_group(node_id: str) -> str:
-    return f"node.{node_id}"
-
-
-def model_group(model_id: int) -> str:
-    return f"model.{model_id}"
+# -- console events (fleet) -------------------------------------------------------------
 
 
 class NodeSummary(TypedDict):
@@ -36,6 +49,8 @@ class NodeSummary(TypedDict):
 
 
 class ModelSummary(TypedDict):
+    """A model's row on the Overview: its state over all its replicas, as the page renders it."""
+
     modelId: int
     servedName: str
     state: str
@@ -66,14 +81,131 @@ class DownloadUpdated(TypedDict):
 Event = NodeUpdated | ModelUpdated | DownloadUpdated
 
 
-async def publish(groups: list[str], event: Event) -> None:
-    """Send ``event`` to each group; the consumer forwards it to the browser as JSON."""
+async def publish(event: Event) -> None:
+    """Send ``event`` to the console; the consumer forwards it to the browser as JSON."""
+    message: dict[str, Any] = {"type": "console.event", "event": dict(event)}
+    await _send(FLEET_GROUP, message, event["type"])
+
+
+# -- router invalidation (router.invalidate) --------------------------------------------
+
+
+class RegistryChanged(TypedDict):
+    """Every key, or the routes of one served name (None: all), changed in the database."""
+
+    type: Literal["router.invalidate"]
+    kind: Literal["keys", "routes"]
+    name: str | None
+
+
+class StatusChanged(TypedDict):
+    """The monitor wrote a new state or new instances for this node."""
+
+    type: Literal["router.invalidate"]
+    kind: Literal["status"]
+    nodeId: str
+
+
+class PinsChanged(TypedDict):
+    """A node's identity as the router must now dial it: its pins, or gone (revoked or
+    deleted). The router retires connections made under any other pins (D44)."""
+
+    type: Literal["router.invalidate"]
+    kind: Literal["node"]
+    node: int
+    pins: list[str]
+    gone: bool
+
+
+Invalidation = RegistryChanged | StatusChanged | PinsChanged
+
+
+async def invalidate_status(node_id: str) -> None:
+    """Tell every router process to drop its cached status of ``node_id``."""
+    message = StatusChanged(type="router.invalidate", kind="status", nodeId=node_id)
+    await _send(ROUTER_GROUP, dict(message), "status change")
+
+
+# -- monitor notifications (monitor) ----------------------------------------------------
+
+
+class NodeChanged(TypedDict):
+    """The registry row of ``nodeId`` changed: the monitor recomputes and publishes."""
+
+    type: Literal["node.changed"]
+    nodeId: str
+
+
+def tell_monitor(node_id: str) -> None:
+    """After the current transaction commits, tell the active monitor ``node_id`` changed.
+
+    A monitor that is down misses it; its next refresh (every 5 s) and every reader's
+    registry check (nodes.status.effective) still see the change.
+    """
+
+    def send() -> None:
+        message = NodeChanged(type="node.changed", nodeId=node_id)
+        async_to_sync(_send)(MONITOR_GROUP, dict(message), "node change")
+
+    transaction.on_commit(send)
+
+
+# -- sending and listening --------------------------------------------------------------
+
+
+async def _send(group: str, message: dict[str, Any], what: str) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
-    message: dict[str, Any] = {"type": "console.event", "event": dict(event)}
-    for group in groups:
+    try:
+        await layer.group_send(group, message)
+    except Exception:  # a full channel or a Redis blip must not stop the sender
+        log.warning("Could not publish a %s to %s", what, group, exc_info=True)
+
+
+async def listen(
+    group: str,
+    handle: Callable[[dict[str, Any]], Awaitable[None]],
+    *,
+    ready: asyncio.Event | None = None,
+    lost: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Join ``group`` on a channel of our own and hand each message to ``handle``, forever.
+
+    When the layer fails (Redis away), ``lost`` is awaited (messages may have been
+    missed meanwhile) and the listener joins again with back-off (1 s doubling to
+    30 s). ``ready`` is set while joined. Cancel the task to stop.
+    """
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    backoff = 1.0
+    while True:
         try:
-            await layer.group_send(group, message)
-        except Exception:  # a full channel or Redis blip must not stop the monitor
-            log.warning("Could not publish %s to %s", event["type"], group, exc_info=True)
+            channel = await layer.new_channel()
+            await layer.group_add(group, channel)
+            if ready is not None:
+                ready.set()
+            loop = asyncio.get_running_loop()
+            rejoin_at = loop.time() + REJOIN_SECONDS
+            backoff = 1.0
+            while True:
+                timeout = max(1.0, rejoin_at - loop.time())
+                try:
+                    message = await asyncio.wait_for(layer.receive(channel), timeout)
+                except TimeoutError:
+                    await layer.group_add(group, channel)
+                    rejoin_at = loop.time() + REJOIN_SECONDS
+                    continue
+                await handle(message)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if ready is not None:
+                ready.clear()
+            log.warning("Listening on %s failed; joining again", group, exc_info=True)
+            if lost is not None:
+                with contextlib.suppress(Exception):
+                    await lost()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)

@@ -3,9 +3,12 @@
 For each node it takes ``/info`` (protocol, identity, clock) and a full
 ``/status`` snapshot on every (re)connect, follows ``/events``, pulls
 ``/telemetry`` every few seconds, and reconnects with back-off (1 s doubling
-to 30 s). Every change is written to the Redis status cache and published to
-the Channels groups the console listens on. Each step is a method a test can
-call on its own.
+to 30 s). Every change is written to the Redis status cache (the monitor is its
+only writer), announced to the routers on ``router.invalidate`` when the state
+or the instances changed, and published to the console's ``fleet`` group.
+Registry changes (approve, revoke, drain, maintenance, a new pin) reach the
+monitor on the ``monitor`` group (docs/decisions.md D42). Each step is a method
+a test can call on its own.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from django.conf import settings
 from nodes import events, fencing, hooks, status_cache
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
-from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState, compute_state
+from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state, registry_state
 from protocol.versions import PROTOCOL_VERSIONS
 
 log = logging.getLogger("mirbad.monitor")
@@ -59,6 +62,17 @@ def node_summary(status: status_cache.NodeStatus) -> events.NodeSummary:
         memoryTotalBytes=memory.get("totalBytes"),
         lastSeen=status.get("lastSeen"),
     )
+
+
+async def publish_model_rows(node_id: str, model_ids: list[int] | None = None) -> None:
+    """``model.updated`` for the models placed on the node, each over all its replicas."""
+    try:
+        rows = await sync_to_async(hooks.model_rows)(node_id, model_ids)
+    except Exception:  # a console row must not drop the node's connection
+        log.exception("Node %s: reading its models' rows failed", node_id)
+        return
+    for row in rows:
+        await events.publish(events.ModelUpdated(type="model.updated", model=row))
 
 
 class NodeWorker:
@@ -108,8 +122,14 @@ class NodeWorker:
             )
         return reasons
 
-    async def recompute(self, now: float | None = None, *, force: bool = True) -> bool:
-        """Recompute the state; write and publish when anything visible changed."""
+    async def recompute(
+        self, now: float | None = None, *, force: bool = True, announce: bool = False
+    ) -> bool:
+        """Recompute the state; write it, and announce it when anything visible changed.
+
+        ``announce`` announces it whether or not it changed, once (a (re)connect took a
+        fresh snapshot: the instances may have changed even when the state did not).
+        """
         moment = time.time() if now is None else now
         since = None if self.last_contact is None else moment - self.last_contact
         reasons = self.reasons()
@@ -129,48 +149,37 @@ class NodeWorker:
         self.status["reasons"] = reasons
         self.status["lastSeen"] = self.last_contact
         self.status["clockSkewSeconds"] = self.clock_skew
-        if changed or force:
+        if changed or force or announce:
             await status_cache.awrite(self.status)
         if changed:
             codes = ", ".join(r["code"] for r in reasons)
             log.info("Node %s: %s -> %s. %s", self.node.node_id, previous, state.value, codes)
+        if changed or announce:
+            await events.invalidate_status(self.node.node_id)
             await self.publish_node()
-            if previous != state.value:
+            if previous != state.value or announce:
                 await self.publish_models()
         return changed
 
     async def publish_node(self) -> None:
-        event = events.NodeUpdated(type="node.updated", node=node_summary(self.status))
-        await events.publish([events.FLEET_GROUP, events.node_group(self.node.node_id)], event)
+        await events.publish(
+            events.NodeUpdated(type="node.updated", node=node_summary(self.status))
+        )
 
-    async def publish_models(self) -> None:
-        for instance in (self.status.get("instances") or {}).values():
-            await self.publish_instance(instance)
+    async def publish_models(self, model_ids: list[int] | None = None) -> None:
+        """The Overview rows of this node's models (``model_ids`` only, if given)."""
+        await publish_model_rows(self.node.node_id, model_ids)
 
     async def publish_instance(self, instance: dict[str, Any]) -> None:
         model_id = instance.get("modelId")
-        if not isinstance(model_id, int):
-            return
-        serving = self.status.get("state") in SERVING
-        event = events.ModelUpdated(
-            type="model.updated",
-            model=events.ModelSummary(
-                modelId=model_id,
-                servedName=str(instance.get("servedName", "")),
-                state=str(instance.get("state")) if serving else "Offline",
-                nodeId=self.node.node_id,
-                error=instance.get("error"),
-                restartCount=int(instance.get("restartCount") or 0),
-                measuredBytes=(instance.get("measured") or {}).get("bytes"),
-            ),
-        )
-        await events.publish([events.FLEET_GROUP, events.model_group(model_id)], event)
+        if isinstance(model_id, int):
+            await self.publish_models([model_id])
 
     async def publish_download(self, download: dict[str, Any]) -> None:
         event = events.DownloadUpdated(
             type="download.updated", nodeId=self.node.node_id, download=download
         )
-        await events.publish([events.FLEET_GROUP, events.node_group(self.node.node_id)], event)
+        await events.publish(event)
 
     async def record_measurement(self, instance: dict[str, Any]) -> None:
         """Keep the instance's measured memory beside its budget (one row per start)."""
@@ -247,9 +256,8 @@ class NodeWorker:
         self.connected = True
         self.status["lastError"] = ""
         self.backoff = BACKOFF_START
-        await self.recompute()
-        await self.publish_node()
-        await self.publish_models()
+        # One announcement per (re)connect, whether or not the state changed.
+        await self.recompute(announce=True)
         self.maybe_autostart()
 
     def maybe_autostart(self) -> None:
@@ -292,6 +300,7 @@ class NodeWorker:
         if name == "instance" and "instanceId" in data:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
             await status_cache.awrite(self.status)
+            await events.invalidate_status(self.node.node_id)
             await self.publish_instance(data)
             if data.get("measured"):
                 await self.record_measurement(data)
@@ -328,8 +337,7 @@ class NodeWorker:
             # The agent restarted between /status and /events: take a fresh snapshot.
             self.apply_snapshot(await self.client.status())
             self.status["bootId"] = str(data.get("bootId"))
-            await self.recompute()
-            await self.publish_models()
+            await self.recompute(announce=True)
             self.maybe_autostart()
 
     async def follow_events(self) -> None:
@@ -414,6 +422,9 @@ class Monitor:
         self.max_nodes = max_nodes
         self.stop = asyncio.Event()
         self.workers: dict[str, tuple[NodeWorker, asyncio.Task[None]]] = {}
+        # The loop and registry notifications both refresh: one at a time.
+        self._refreshing = asyncio.Lock()
+        self.listening = asyncio.Event()  # joined the monitor group
 
     @sync_to_async
     def load_nodes(self) -> list[Node]:
@@ -423,31 +434,91 @@ class Monitor:
             .order_by("node_id")[: self.max_nodes]
         )
 
-    async def refresh(self) -> None:
-        """Start workers for new nodes and restart those whose identity or address changed."""
-        nodes = {n.node_id: n for n in await self.load_nodes()}
-        for node_id, (worker, task) in list(self.workers.items()):
-            current = nodes.get(node_id)
-            if (
-                current is None
-                or current.pins != worker.node.pins
-                or current.address != worker.node.address
-            ):
-                worker.stop.set()
-                task.cancel()
-                del self.workers[node_id]
-                if current is None:
-                    await status_cache.awrite(
-                        {"nodeId": node_id, "state": NodeState.OFFLINE.value, "lastSeen": None}
-                    )
-        for node_id, node in nodes.items():
-            if node_id not in self.workers:
-                worker = NodeWorker(node=node, stop=asyncio.Event())
-                self.workers[node_id] = (worker, asyncio.create_task(worker.run()))
-                log.info("Following node %s at %s", node_id, node.address)
+    async def refresh(self) -> list[str]:
+        """Start workers for new nodes and restart those whose identity or address changed.
+
+        Answers the nodes it stopped following (each announced once, by :meth:`unfollowed`).
+        """
+        async with self._refreshing:
+            nodes = {n.node_id: n for n in await self.load_nodes()}
+            dropped, stopped = [], []
+            for node_id, (worker, task) in list(self.workers.items()):
+                current = nodes.get(node_id)
+                if (
+                    current is None
+                    or current.pins != worker.node.pins
+                    or current.address != worker.node.address
+                ):
+                    worker.stop.set()
+                    task.cancel()
+                    stopped.append(task)
+                    del self.workers[node_id]
+                    if current is None:
+                        dropped.append(node_id)
+            for node_id, node in nodes.items():
+                if node_id not in self.workers:
+                    worker = NodeWorker(node=node, stop=asyncio.Event())
+                    self.workers[node_id] = (worker, asyncio.create_task(worker.run()))
+                    log.info("Following node %s at %s", node_id, node.address)
+        # A worker cancelled mid-write must not overwrite what unfollowed() says.
+        await asyncio.gather(*stopped, return_exceptions=True)
+        for node_id in dropped:
+            await self.unfollowed(node_id)
+        return dropped
+
+    @sync_to_async
+    def load_node(self, node_id: str) -> Node | None:
+        return Node.objects.filter(node_id=node_id).first()
+
+    async def unfollowed(self, node_id: str) -> None:
+        """A node the monitor does not follow (revoked, not approved, no pin): say so once."""
+        node = await self.load_node(node_id)
+        fixed = registry_state(approved=node.approved, revoked=node.revoked) if node else None
+        status: status_cache.NodeStatus = {
+            "nodeId": node_id,
+            "state": (fixed or NodeState.OFFLINE).value,
+            "reasons": [],
+            "lastSeen": None,
+        }
+        await status_cache.awrite(status)
+        await events.invalidate_status(node_id)
+        await events.publish(events.NodeUpdated(type="node.updated", node=node_summary(status)))
+        await publish_model_rows(node_id)
+
+    async def node_changed(self, node_id: str) -> None:
+        """A registry change of one node (docs/decisions.md D42): follow or drop it, announce it."""
+        if node_id in await self.refresh():
+            return
+        entry = self.workers.get(node_id)
+        if entry is None:
+            if await self.load_node(node_id) is not None:
+                await self.unfollowed(node_id)
+            return
+        worker, _ = entry
+        fresh = await self.load_node(node_id)
+        if fresh is not None:
+            worker.node = fresh  # draining, maintenance, the certificate's expiry
+        await worker.recompute(announce=True)
+
+    async def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") == "node.changed" and isinstance(message.get("nodeId"), str):
+            try:
+                await self.node_changed(message["nodeId"])
+            except Exception:  # the next refresh catches up; the listener keeps going
+                log.exception("Monitor: acting on a change of node %s failed", message["nodeId"])
+
+    async def listen(self) -> None:
+        """Act on registry changes as they are made; after a gap, refresh everything."""
+        await events.listen(
+            events.MONITOR_GROUP, self._on_message, ready=self.listening, lost=self._catch_up
+        )
+
+    async def _catch_up(self) -> None:
+        await self.refresh()
 
     async def run(self) -> None:
         log.info("Monitor started")
+        listener = asyncio.create_task(self.listen(), name="monitor-notifications")
         try:
             while not self.stop.is_set():
                 try:
@@ -461,6 +532,9 @@ class Monitor:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), timeout=self.refresh_interval)
         finally:
+            listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await listener
             for worker, task in self.workers.values():
                 worker.stop.set()
                 task.cancel()

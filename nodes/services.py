@@ -21,7 +21,7 @@ from django.utils import timezone
 
 from core.config import MasterConfig
 from core.errors import ServiceError
-from nodes import pki
+from nodes import events, pki
 from nodes.models import JoinToken, Node
 from protocol.atomic import write_atomic
 from protocol.names import NODE_ID_RE
@@ -237,6 +237,8 @@ def enroll(
         node.save()
         row.used_at = timezone.now()
         row.save(update_fields=["used_at"])
+        # A new pin (join or rekey): the monitor dials with it now, not at its next refresh.
+        events.tell_monitor(node_id)
     log.info(
         "Enrolled node %s, key %s (approved: %s)", node_id, pki.fingerprint(cert), node.approved
     )
@@ -345,20 +347,23 @@ def approve_node(node_id: str) -> Node:
         node.approved = True
         node.save(update_fields=["approved", "updated_at"])
         log.info("Approved node %s (key SHA256:%s)", node_id, node.spki_pin)
+        events.tell_monitor(node_id)
     return node
 
 
 def revoke_node(node_id: str) -> Node:
-    """Drop the node's pins and refuse it from now on (connections and enrollment)."""
-    from nodes import status_cache
+    """Drop the node's pins and refuse it from now on (connections and enrollment).
 
+    Readers see it Revoked at once (the registry decides, nodes.status); the monitor,
+    told, stops following it and publishes the change.
+    """
     node = _node_or_404(node_id)
     node.revoked = True
     node.spki_pin = ""
     node.pending_pin = ""
     node.save(update_fields=["revoked", "spki_pin", "pending_pin", "updated_at"])
     JoinToken.objects.filter(node_id=node_id, used_at__isnull=True).delete()
-    status_cache.write({"nodeId": node_id, "state": "Revoked", "reasons": [], "lastSeen": None})
+    events.tell_monitor(node_id)
     log.warning("Revoked node %s", node_id)
     return node
 
@@ -370,6 +375,7 @@ def set_draining(node_id: str, draining: bool) -> Node:
         node.draining = draining
         node.save(update_fields=["draining", "updated_at"])
         log.info("Node %s draining: %s", node_id, draining)
+        events.tell_monitor(node_id)
     return node
 
 
@@ -402,6 +408,7 @@ def start_maintenance(node_id: str, *, seconds: object, reason: object = "") -> 
     node.maintenance_reason = reason.strip()
     node.save(update_fields=["maintenance_until", "maintenance_reason", "updated_at"])
     log.info("Node %s held for maintenance for %d s: %s", node_id, seconds, reason or "-")
+    events.tell_monitor(node_id)
     return node
 
 
@@ -413,23 +420,8 @@ def end_maintenance(node_id: str) -> Node:
         node.maintenance_reason = ""
         node.save(update_fields=["maintenance_until", "maintenance_reason", "updated_at"])
         log.info("Node %s maintenance ended", node_id)
+        events.tell_monitor(node_id)
     return node
-
-
-def announce(node: Node) -> None:
-    """Publish a node's registry change (approved, revoked, draining) to the console."""
-    from asgiref.sync import async_to_sync
-
-    from nodes import events, status_cache
-    from nodes.monitor import node_summary
-    from nodes.states import registry_state
-
-    status = dict(status_cache.read(node.node_id) or {"nodeId": node.node_id})
-    fixed = registry_state(approved=node.approved, revoked=node.revoked)
-    if fixed is not None:
-        status["state"] = fixed.value
-    event = events.NodeUpdated(type="node.updated", node=node_summary(status))  # type: ignore[arg-type]
-    async_to_sync(events.publish)([events.FLEET_GROUP, events.node_group(node.node_id)], event)
 
 
 def takeover() -> dict[str, object]:
@@ -539,8 +531,7 @@ def set_reserves(
 def node_from_param(value: str | None, *, action: str) -> Node:
     """The ``?node=`` rules of docs/operator-guide.md, "Models through /api", for routes that act on one node."""
 
-    from nodes import status_cache
-    from nodes.states import SERVING
+    from nodes import status
 
     if value is None or value == "":
         members = list(Node.objects.filter(revoked=False)[:2])
@@ -565,14 +556,7 @@ def node_from_param(value: str | None, *, action: str) -> Node:
             "invalid_state",
             f"Node '{node.node_id}' is not approved yet; approve it first.",
         )
-    status = status_cache.read(node.node_id)
-    state = status.get("state") if status else "Offline"
-    if state not in SERVING:
-        raise ServiceError(
-            503,
-            "node_not_serving",
-            f"Node {node.node_id} is not serving (state: {state}); {action} cannot be done now.",
-        )
+    status.require_serving(node, f"{action} cannot be done now")
     return node
 
 

@@ -1,9 +1,10 @@
 """The node status cache in Redis: what the monitor last learned about each node.
 
-The monitor is the only writer. Web processes (the router, the console, /api)
-read it, so every process sees one truth without asking an agent. A record
-carries ``lastSeen``; readers treat a record older than the Offline threshold
-as Offline even if the monitor died before it could say so.
+The monitor is the only writer (docs/decisions.md D42). Web processes (the
+router, the console, /api) read it, so every process sees one truth without
+asking an agent. The records are returned as stored: what a node *is* also
+depends on the registry and on the record's age, and that rule is applied by
+``nodes.status.effective``, which every reader goes through.
 
 Reads never raise for a Redis that is down or stalled (docs/decisions.md
 D37): they wait at most
@@ -19,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, TypedDict
 
 import redis
@@ -28,7 +30,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from nodes.states import OFFLINE_AFTER_SECONDS, SERVING, NodeState
+from nodes.states import NodeState
 
 log = logging.getLogger("mirbad.nodes")
 
@@ -39,7 +41,7 @@ LIVE = "live"
 LAST_KNOWN = "last-known"
 UNKNOWN = "unknown"
 # Fields only readers add; never written back to Redis.
-READER_FIELDS = ("statusSource", "statusAsOf")
+READER_FIELDS = ("statusSource", "statusAsOf", "maintenanceLeft")
 # After a failed read, reads skip Redis this long: each one would otherwise hold
 # its caller (for sync views, the one thread every Django view and the router's
 # database loads share) for the whole timeout while Redis is still away.
@@ -62,6 +64,7 @@ class NodeStatus(TypedDict, total=False):
     updatedAt: float
     statusSource: str  # reader-side only: LAST_KNOWN or UNKNOWN when Redis was unreachable
     statusAsOf: float | None  # reader-side only: when this process last read it live
+    maintenanceLeft: float  # reader-side only: nodes.status.effective, from the registry
 
 
 def _key(node_id: str) -> str:
@@ -126,18 +129,6 @@ def async_read_client() -> aioredis.Redis:
         client = aioredis.Redis.from_url(settings.MIRBAD.redis_url, **options)
         _async_read_clients[loop_id] = client
     return client
-
-
-def effective(status: NodeStatus | None, now: float | None = None) -> NodeStatus | None:
-    """Apply the Offline threshold at read time (a dead monitor writes nothing)."""
-    if status is None:
-        return None
-    last = status.get("lastSeen")
-    moment = time.time() if now is None else now
-    if status.get("state") in SERVING and (last is None or moment - last > OFFLINE_AFTER_SECONDS):
-        status = dict(status)  # type: ignore[assignment]
-        status["state"] = NodeState.OFFLINE.value
-    return status
 
 
 class _Memory:
@@ -219,9 +210,7 @@ _UNREACHABLE = (redis.RedisError, OSError)
 
 
 def _decode(node_ids: list[str], raws: list[str | None]) -> dict[str, NodeStatus | None]:
-    answers = {
-        n: (effective(json.loads(r)) if r else None) for n, r in zip(node_ids, raws, strict=True)
-    }
+    answers = {n: (json.loads(r) if r else None) for n, r in zip(node_ids, raws, strict=True)}
     _memory.remember(answers)
     return answers
 
@@ -262,7 +251,7 @@ def source(status: NodeStatus | None) -> str:
     return (status or {}).get("statusSource", LIVE)
 
 
-def oldest_as_of(statuses: dict[str, NodeStatus | None]) -> tuple[bool, float | None]:
+def oldest_as_of(statuses: Mapping[str, NodeStatus | None]) -> tuple[bool, float | None]:
     """(any status not live, when the oldest last-known one was read) for a page's banner."""
     stale = [s for s in statuses.values() if source(s) != LIVE]
     times = [s["statusAsOf"] for s in stale if s and s.get("statusAsOf") is not None]
@@ -282,13 +271,11 @@ def _stored(status: NodeStatus) -> str:
 
 
 def write(status: NodeStatus) -> None:
+    """:func:`awrite` for synchronous callers (tests set records with it)."""
     # Expire long after Offline so a removed node's record does not linger forever.
     sync_client().set(_key(status["nodeId"]), _stored(status), ex=86400)
 
 
 async def awrite(status: NodeStatus) -> None:
+    """Store a node's record; the monitor is the only caller (docs/decisions.md D42)."""
     await async_client().set(_key(status["nodeId"]), _stored(status), ex=86400)
-
-
-def delete(node_id: str) -> None:
-    sync_client().delete(_key(node_id))

@@ -1,4 +1,4 @@
-"""Keep every web process's key and route caches honest, through the Channels layer.
+"""Keep every web process's key, route and status caches honest, through the Channels layer.
 
 Each router process caches key lookups and routes (a database query per request
 would cost more than the whole proxy hop). A change to a key, a model
@@ -10,11 +10,17 @@ the caches' TTLs are only the fallback for a lost message, not the mechanism.
 
 Node statuses (read from Redis) are cached for a second per process (and served
 for one more while a read refreshes them), and dropped at once when the monitor
-publishes a change of that node on the ``fleet`` group, which this listener also
-joins.
+sends a ``status`` message for that node on the same group (it does so whenever
+it writes a new state or new instances). The listener joins that group only:
+the console's ``fleet`` events are not its business (docs/decisions.md D42).
 
-The group membership is refreshed every ``REJOIN_SECONDS`` because
-channels_redis expires group members it has not seen for a day.
+A node's changed pins (rekey, revoke, delete) go on the same group as ``node``
+messages: every router retires pooled connections made under other pins
+(docs/decisions.md D44).
+
+The payloads are typed in ``nodes.events`` (``RegistryChanged``, ``StatusChanged``,
+``PinsChanged``),
+where the monitor, below this app, can send them too.
 """
 
 from __future__ import annotations
@@ -23,48 +29,28 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import Any, Literal, TypedDict
+from typing import Any, Literal
 
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
 
+from nodes import events
+from nodes.events import PinsChanged, RegistryChanged
+
 log = logging.getLogger("mirbad.router")
 
-GROUP = "router.invalidate"
-# The console's fleet group carries the monitor's node and instance changes, which
-# is exactly when a cached node status goes stale.
-GROUPS = (GROUP, "fleet")
-REJOIN_SECONDS = 3600.0
-
-
-class Invalidate(TypedDict):
-    """What changed: every key, or the routes of one served name (None: all)."""
-
-    type: Literal["router.invalidate"]
-    kind: Literal["keys", "routes"]
-    name: str | None
-
-
-class NodeChanged(TypedDict):
-    """A node's identity as the router must now dial it: its pins, or gone (revoked or
-    deleted). The router retires connections made under any other pins."""
-
-    type: Literal["router.invalidate"]
-    kind: Literal["node"]
-    node: int
-    pins: list[str]
-    gone: bool
+GROUP = events.ROUTER_GROUP
 
 
 def announce(kind: Literal["keys", "routes"], name: str | None = None) -> None:
     """Tell every router process, after the current transaction commits."""
-    _send_on_commit(kind, dict(Invalidate(type="router.invalidate", kind=kind, name=name)))
+    _send_on_commit(kind, dict(RegistryChanged(type="router.invalidate", kind=kind, name=name)))
 
 
 def announce_node(node: int, pins: list[str], *, gone: bool) -> None:
     """Tell every router process a node's current pins, after the transaction commits."""
-    message = NodeChanged(type="router.invalidate", kind="node", node=node, pins=pins, gone=gone)
+    message = PinsChanged(type="router.invalidate", kind="node", node=node, pins=pins, gone=gone)
     _send_on_commit("node", dict(message))
 
 
@@ -99,37 +85,13 @@ class Listener:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
+    async def _handle(self, message: dict[str, Any]) -> None:
+        self.apply(message)
+
+    async def _lost(self) -> None:
+        # Changes may have been missed while away: drop everything, reload on use.
+        for kind in ("keys", "routes", "statuses"):
+            self.apply({"kind": kind, "name": None})
+
     async def _run(self) -> None:
-        layer = get_channel_layer()
-        if layer is None:
-            return
-        backoff = 1.0
-        while True:
-            try:
-                channel = await layer.new_channel()
-                for group in GROUPS:
-                    await layer.group_add(group, channel)
-                self.ready.set()
-                loop = asyncio.get_running_loop()
-                rejoin_at = loop.time() + REJOIN_SECONDS
-                backoff = 1.0
-                while True:
-                    timeout = max(1.0, rejoin_at - loop.time())
-                    try:
-                        message = await asyncio.wait_for(layer.receive(channel), timeout)
-                    except TimeoutError:
-                        for group in GROUPS:
-                            await layer.group_add(group, channel)
-                        rejoin_at = loop.time() + REJOIN_SECONDS
-                        continue
-                    self.apply(message)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                # Redis away: caches fall back to their TTL until we are back.
-                self.ready.clear()
-                log.warning("Router invalidation listener failed; retrying", exc_info=True)
-                for kind in ("keys", "routes", "statuses"):
-                    self.apply({"kind": kind, "name": None})
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+        await events.listen(GROUP, self._handle, ready=self.ready, lost=self._lost)

@@ -17,9 +17,10 @@ from typing import Any
 from asgiref.sync import sync_to_async
 
 from models_registry.models import ModelDefinition
+from nodes import status as node_status
 from nodes import status_cache
 from nodes.models import Node
-from nodes.states import SERVING, NodeState
+from nodes.states import NodeState
 from protocol.states import InstanceState
 from router import errors, keys
 
@@ -31,8 +32,8 @@ ROUTE_TTL = 10.0
 KEY_TTL = 10.0
 STATUS_TTL = 1.0
 # An entry expired less than this long ago is still served while one read refreshes
-# it: a change of the node's status drops the entry (the monitor's events), so only
-# a missed event leaves it stale, for at most TTL + this.
+# it: a change of the node's status drops the entry (the monitor's status messages on
+# router.invalidate), so only a missed message leaves it stale, for at most TTL + this.
 STATUS_STALE = 1.0
 
 
@@ -66,13 +67,11 @@ class RoutingTable:
         self.in_flight: dict[str, int] = {}
 
     def invalidate(self, message: dict) -> None:
-        """Apply a ``router.invalidate`` message or a fleet event (see router.invalidation)."""
-        if message.get("type") == "console.event":
-            # The monitor's node.updated / model.updated: that node's status changed.
-            event = message.get("event") or {}
-            subject = event.get("node") or event.get("model") or {}
-            node_id = subject.get("nodeId") if isinstance(subject, dict) else None
-            if node_id:
+        """Apply a ``router.invalidate`` message (nodes.events; see router.invalidation)."""
+        if message.get("kind") == "status":
+            # The monitor wrote a new state or new instances for that node.
+            node_id = message.get("nodeId")
+            if isinstance(node_id, str):
                 self._status_generation += 1
                 self._statuses.pop(node_id, None)
             return
@@ -166,7 +165,9 @@ class RoutingTable:
         return ready
 
     async def status(self, node_id: str) -> dict | None:
-        """A node's status, cached briefly here and dropped when the monitor reports a change.
+        """A node's status record, cached briefly here and dropped when the monitor reports a change.
+
+        The record as stored; :meth:`_effective` applies the rule of ``nodes.status``.
 
         One read per node at a time: when the entry expires under load, hundreds of
         requests miss together, and a read each would exhaust Redis's connection
@@ -226,14 +227,16 @@ class RoutingTable:
             self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
         return status  # type: ignore[return-value]
 
+    async def _effective(self, node: Node) -> status_cache.NodeStatus:
+        """The node's effective status (nodes.status.effective) from the cached record."""
+        return node_status.effective(node, await self.status(node.node_id))  # type: ignore[arg-type]
+
     async def _ready(self, route: Route) -> list[Replica]:
         out = []
         for replica in route.replicas:
-            if replica.node.maintenance_until is not None and replica.node.maintenance_left():
-                continue  # held by a job or an operator: no traffic until it ends
-            status = await self.status(replica.node.node_id)
-            if status is None or status.get("state") not in SERVING:
-                continue
+            status = await self._effective(replica.node)
+            if not node_status.takes_traffic(status):
+                continue  # not serving, or held by a job or an operator (maintenance)
             inst = (status.get("instances") or {}).get(replica.instance_id)
             if inst is not None and inst.get("state") == InstanceState.READY:
                 out.append(replica)
@@ -258,11 +261,10 @@ class RoutingTable:
                 route.served_name, node.node_id, node.maintenance_left(), node.maintenance_reason
             )
         first = route.replicas[0]
-        status = await self.status(first.node.node_id)
-        state = status.get("state") if status else NodeState.OFFLINE.value
-        if state == NodeState.INCOMPATIBLE.value:
+        status = await self._effective(first.node)
+        if node_status.state_of(status) == NodeState.INCOMPATIBLE.value:
             raise errors.node_incompatible(route.served_name, first.node.node_id)
-        if state not in SERVING:
+        if not node_status.is_serving(status):
             raise errors.node_offline(route.served_name, first.node.node_id)
         raise errors.model_not_ready(route.served_name)
 

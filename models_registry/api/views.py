@@ -24,7 +24,7 @@ from models_registry.api.serializers import (
     ModelWriteSerializer,
 )
 from models_registry.models import ModelDefinition
-from nodes import status_cache
+from nodes import status as node_status
 
 _NODE_QUERY = OpenApiParameter(
     "node", OpenApiTypes.STR, description="Only this node's replica (also a body field)."
@@ -35,8 +35,7 @@ _FORCE_QUERY = OpenApiParameter(
 
 
 def _statuses(models: list[ModelDefinition]) -> dict[str, Any]:
-    node_ids = sorted({p.node.node_id for m in models for p in m.placements.all()})
-    return status_cache.read_many(node_ids)
+    return node_status.read_many(p.node for m in models for p in m.placements.all())
 
 
 def _model_answer(model: ModelDefinition, status_code: int = 200) -> Response:

@@ -19,7 +19,6 @@ from core.api_serializers import (
 )
 from nodes import status_cache
 from nodes.models import Node
-from nodes.states import registry_state
 
 
 class NodeChangeSerializer(ApiSerializer):
@@ -76,7 +75,7 @@ class MaintenanceHoldSerializer(serializers.Serializer):
 
 
 def _status(serializer: serializers.Serializer, node: Node) -> status_cache.NodeStatus:
-    """The node's status record, from the ``statuses`` the view read (empty if none)."""
+    """The node's effective status, from the ``statuses`` the view read (empty if none)."""
     statuses: dict[str, status_cache.NodeStatus | None] = serializer.context.get("statuses") or {}
     return statuses.get(node.node_id) or {}
 
@@ -84,7 +83,8 @@ def _status(serializer: serializers.Serializer, node: Node) -> status_cache.Node
 class NodeSerializer(serializers.Serializer):
     """A node: its registry fields and the live state from the status cache.
 
-    The view passes ``context={"statuses": {node_id: record}}``.
+    The view passes ``context={"statuses": {node_id: status}}``, each from
+    ``nodes.status`` (the effective status: registry, record, the 15 s rule).
     """
 
     nodeId = serializers.CharField(source="node_id")
@@ -132,9 +132,6 @@ class NodeSerializer(serializers.Serializer):
 
     @extend_schema_field(OpenApiTypes.STR)
     def get_state(self, node: Node) -> Any:
-        fixed = registry_state(approved=node.approved, revoked=node.revoked)
-        if fixed is not None:
-            return fixed.value
         return _status(self, node).get("state", "Offline")
 
     @extend_schema_field(OpenApiTypes.STR)

@@ -16,6 +16,7 @@ from rest_framework.response import Response
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
 from nodes import services, status_cache
+from nodes import status as node_status
 from nodes.api.serializers import (
     JoinTokenRequestSerializer,
     MaintenanceSerializer,
@@ -30,7 +31,7 @@ from nodes.models import Node
 
 
 def _node_answer(node: Node) -> Response:
-    statuses = {node.node_id: status_cache.read(node.node_id)}
+    statuses = {node.node_id: node_status.read(node)}
     return Response(NodeSerializer(node, context={"statuses": statuses}).data)
 
 
@@ -45,7 +46,7 @@ class NodeViewSet(viewsets.GenericViewSet):
     @extend_schema(responses={200: NodeListSerializer})
     def list(self, request: Request) -> Response:
         nodes = list(Node.objects.all())
-        statuses = status_cache.read_many([n.node_id for n in nodes])
+        statuses = node_status.read_many(nodes)
         stale, as_of = status_cache.oldest_as_of(statuses)
         listed = NodeSerializer(nodes, many=True, context={"statuses": statuses})
         return Response({"nodes": listed.data, "stale": stale, "statusAsOf": as_of})
@@ -72,29 +73,25 @@ class NodeViewSet(viewsets.GenericViewSet):
         )
         return _node_answer(node)
 
-    def _command(self, node: Node) -> Response:
-        services.announce(node)
-        return _node_answer(node)
-
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404, 409)})
     @action(detail=True, methods=["post"])
     def approve(self, request: Request, node_id: str) -> Response:
-        return self._command(services.approve_node(node_id))
+        return _node_answer(services.approve_node(node_id))
 
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404)})
     @action(detail=True, methods=["post"])
     def revoke(self, request: Request, node_id: str) -> Response:
-        return self._command(services.revoke_node(node_id))
+        return _node_answer(services.revoke_node(node_id))
 
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404)})
     @action(detail=True, methods=["post"])
     def drain(self, request: Request, node_id: str) -> Response:
-        return self._command(services.set_draining(node_id, True))
+        return _node_answer(services.set_draining(node_id, True))
 
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404)})
     @action(detail=True, methods=["post"])
     def undrain(self, request: Request, node_id: str) -> Response:
-        return self._command(services.set_draining(node_id, False))
+        return _node_answer(services.set_draining(node_id, False))
 
     @extend_schema(
         request=RekeyRequestSerializer,
@@ -118,12 +115,12 @@ class NodeViewSet(viewsets.GenericViewSet):
         node = services.start_maintenance(
             node_id, seconds=body.get("seconds"), reason=body.get("reason", "")
         )
-        return self._command(node)
+        return _node_answer(node)
 
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404)})
     @maintenance.mapping.delete
     def end_maintenance(self, request: Request, node_id: str) -> Response:
-        return self._command(services.end_maintenance(node_id))
+        return _node_answer(services.end_maintenance(node_id))
 
 
 @extend_schema(tags=["nodes"])

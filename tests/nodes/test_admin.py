@@ -11,7 +11,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from models_registry.models import ModelDefinition
-from nodes import services, status_cache
+from nodes import services, status
 from nodes.models import JoinToken, Node
 from router import keys
 from router.models import ApiKey
@@ -100,7 +100,7 @@ def test_revoke_action_does_what_the_api_does(
         node = Node.objects.get(node_id=node_id)
         assert (node.revoked, node.spki_pin, node.pending_pin) == (True, "", "")
         assert not JoinToken.objects.filter(node_id=node_id, used_at__isnull=True).exists()
-        assert (status_cache.read(node_id) or {}).get("state") == "Revoked"
+        assert status.read(node)["state"] == "Revoked"
 
 
 def test_drain_actions_go_through_the_service(admin_client: Client) -> None:

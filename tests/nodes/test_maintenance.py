@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import time
 
 import pytest
 from django.utils import timezone
@@ -79,6 +80,7 @@ def _ready_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
         return {
             "nodeId": node_id,
             "state": "Online",
+            "lastSeen": time.time(),  # a record the 15 s rule (nodes.status) keeps Online
             "instances": {f"i-{node_id}": {"state": "Ready"}},
         }
 
@@ -87,8 +89,10 @@ def _ready_everywhere(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_a_held_node_gets_no_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
     _ready_everywhere(monkeypatch)
-    held = Node(node_id="a", maintenance_until=timezone.now() + dt.timedelta(minutes=5))
-    free = Node(node_id="b")
+    held = Node(
+        node_id="a", approved=True, maintenance_until=timezone.now() + dt.timedelta(minutes=5)
+    )
+    free = Node(node_id="b", approved=True)
     table = routing.RoutingTable()
     picks = {(await table.pick(_route(held, free))).node.node_id for _ in range(20)}
     assert picks == {"b"}
@@ -119,6 +123,8 @@ async def test_all_replicas_held_is_503_maintenance_with_the_time_left(
 
 async def test_a_hold_that_ran_out_routes_again(monkeypatch: pytest.MonkeyPatch) -> None:
     _ready_everywhere(monkeypatch)
-    over = Node(node_id="a", maintenance_until=timezone.now() - dt.timedelta(seconds=1))
+    over = Node(
+        node_id="a", approved=True, maintenance_until=timezone.now() - dt.timedelta(seconds=1)
+    )
     table = routing.RoutingTable()
     assert (await table.pick(_route(over))).node.node_id == "a"

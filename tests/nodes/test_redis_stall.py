@@ -124,7 +124,7 @@ def test_status_reads_answer_the_last_known_within_the_timeout(
     assert n2["state"] == "Offline" and n2["statusSource"] == "last-known"  # no record then
     assert n3["state"] == "Unknown" and n3["statusSource"] == "unknown"  # never read here
     assert status_cache.oldest_as_of(answers) == (True, n1["statusAsOf"])
-    # A caller that writes a last-known copy back (announce, revoke) never stores the marks.
+    # A last-known copy written back (as revoke and announce once did) never stores the marks.
     monkeypatch.setattr(status_cache, "RETRY_AFTER_SECONDS", 0.0)
     status_cache.forget()
     status_cache.write(n1)

@@ -60,7 +60,7 @@ async def test_fleet_websocket_forwards_typed_events(operator) -> None:
     communicator.scope["user"] = operator
     connected, _ = await communicator.connect()
     assert connected
-    await events.publish([events.FLEET_GROUP], _offline_event("n1"))
+    await events.publish(_offline_event("n1"))
     received = await communicator.receive_json_from(timeout=5)
     assert received["type"] == "node.updated" and received["node"]["state"] == "Offline"
     await communicator.disconnect()
@@ -98,7 +98,7 @@ async def test_an_idle_fleet_websocket_outlives_the_channel_layers_blocking_wait
     connected, _ = await communicator.connect()
     assert connected
     assert await communicator.receive_nothing(timeout=RedisChannelLayer.brpop_timeout + 1.5)
-    await events.publish([events.FLEET_GROUP], _offline_event("n2"))
+    await events.publish(_offline_event("n2"))
     received = await communicator.receive_json_from(timeout=5)
     assert received["node"]["nodeId"] == "n2"
     await communicator.disconnect()

@@ -25,7 +25,7 @@ async def test_concurrent_misses_share_one_read(monkeypatch: pytest.MonkeyPatch)
     table = routing.RoutingTable()
     answers = await asyncio.gather(*(table.status("n1") for _ in range(300)))
     assert reads == 1 and all(a == {"nodeId": "n1", "state": "Online"} for a in answers)
-    table.invalidate({"type": "console.event", "event": {"node": {"nodeId": "n1"}}})
+    table.invalidate({"type": "router.invalidate", "kind": "status", "nodeId": "n1"})
     await table.status("n1")
     assert reads == 2  # the monitor's change dropped the entry
 
@@ -91,7 +91,7 @@ async def test_a_status_change_during_a_read_discards_its_answer(
     table = routing.RoutingTable()
     first = asyncio.ensure_future(table.status("n1"))
     await asyncio.sleep(0.02)
-    table.invalidate({"type": "console.event", "event": {"node": {"nodeId": "n1"}}})
+    table.invalidate({"type": "router.invalidate", "kind": "status", "nodeId": "n1"})
     assert (await first)["state"] == "Online"  # the request that asked before the change
     assert "n1" not in table._statuses  # ...but its answer is not cached
 

@@ -56,6 +56,8 @@
 
   function gib(bytes) { return (bytes / 1073741824).toFixed(2) + " GiB"; }
 
+  // The event carries the whole row over all replicas (models_registry.services.model_summary,
+  // the function the page is rendered with): every cell is replaced, none is merged.
   function onModel(model) {
     const tr = row("models", "data-model", model.modelId, [
       "name", "state", "node", "budget", "measured", "restarts", "notes", "error",
@@ -64,12 +66,9 @@
     badge(tr.querySelector(".state"), model.state);
     tr.querySelector(".node").textContent = model.nodeId || "-";
     tr.querySelector(".error").textContent = model.error || "";
-    if (typeof model.measuredBytes === "number") {
-      tr.querySelector(".measured").textContent = gib(model.measuredBytes);
-    }
-    if (typeof model.restartCount === "number") {
-      tr.querySelector(".restarts").textContent = String(model.restartCount);
-    }
+    tr.querySelector(".measured").textContent =
+      typeof model.measuredBytes === "number" ? gib(model.measuredBytes) : "–";
+    tr.querySelector(".restarts").textContent = String(model.restartCount);
   }
 
   // No percentage is shown when the total is unknown: a byte count that keeps rising
