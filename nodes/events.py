@@ -10,7 +10,7 @@ Three groups, each with its own listeners and payloads:
   routers' ``router.invalidation.Listener`` joins it.
 - ``monitor``: registry changes the monitor must act on (approve, revoke, drain,
   maintenance, a new pin). Only the active monitor joins it; it recomputes the
-  node's status, writes it and publishes it (docs/decisions.md D42).
+  node's status, writes it and publishes it (docs/decisions.md D46).
 """
 
 from __future__ import annotations

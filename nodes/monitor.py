@@ -7,7 +7,7 @@ to 30 s). Every change is written to the Redis status cache (the monitor is its
 only writer), announced to the routers on ``router.invalidate`` when the state
 or the instances changed, and published to the console's ``fleet`` group.
 Registry changes (approve, revoke, drain, maintenance, a new pin) reach the
-monitor on the ``monitor`` group (docs/decisions.md D42). Each step is a method
+monitor on the ``monitor`` group (docs/decisions.md D46). Each step is a method
 a test can call on its own.
 """
 
@@ -486,7 +486,7 @@ class Monitor:
         await publish_model_rows(node_id)
 
     async def node_changed(self, node_id: str) -> None:
-        """A registry change of one node (docs/decisions.md D42): follow or drop it, announce it."""
+        """A registry change of one node (docs/decisions.md D46): follow or drop it, announce it."""
         if node_id in await self.refresh():
             return
         entry = self.workers.get(node_id)

@@ -1,6 +1,6 @@
 """The node status cache in Redis: what the monitor last learned about each node.
 
-The monitor is the only writer (docs/decisions.md D42). Web processes (the
+The monitor is the only writer (docs/decisions.md D46). Web processes (the
 router, the console, /api) read it, so every process sees one truth without
 asking an agent. The records are returned as stored: what a node *is* also
 depends on the registry and on the record's age, and that rule is applied by
@@ -277,5 +277,5 @@ def write(status: NodeStatus) -> None:
 
 
 async def awrite(status: NodeStatus) -> None:
-    """Store a node's record; the monitor is the only caller (docs/decisions.md D42)."""
+    """Store a node's record; the monitor is the only caller (docs/decisions.md D46)."""
     await async_client().set(_key(status["nodeId"]), _stored(status), ex=86400)

@@ -12,7 +12,7 @@ Node statuses (read from Redis) are cached for a second per process (and served
 for one more while a read refreshes them), and dropped at once when the monitor
 sends a ``status`` message for that node on the same group (it does so whenever
 it writes a new state or new instances). The listener joins that group only:
-the console's ``fleet`` events are not its business (docs/decisions.md D42).
+the console's ``fleet`` events are not its business (docs/decisions.md D46).
 
 A node's changed pins (rekey, revoke, delete) go on the same group as ``node``
 messages: every router retires pooled connections made under other pins

@@ -2,7 +2,7 @@
 
 Registry changes reach it on the ``monitor`` group; it writes, tells the routers on
 ``router.invalidate`` and the console on ``fleet``, once per change. Against a real
-agent server and the real channel layer (docs/decisions.md D42).
+agent server and the real channel layer (docs/decisions.md D46).
 """
 
 from __future__ import annotations
