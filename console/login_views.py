@@ -17,7 +17,7 @@ every caller of ``authenticate`` is counted, whichever view it came through.
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,8 +28,9 @@ from django.contrib.auth import views as auth_views
 from django.contrib.auth.forms import UsernameField
 from django.contrib.auth.signals import user_login_failed
 from django.db import close_old_connections
+from django.db.models import Field
 from django.dispatch import receiver
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.shortcuts import render
 
 from core import throttle
@@ -39,7 +40,7 @@ from core import throttle
 LOGIN_THREADS = max(1, (os.cpu_count() or 2) // 2)
 _pool = ThreadPoolExecutor(max_workers=LOGIN_THREADS, thread_name_prefix="mirbad-login")
 
-SyncView = Callable[..., HttpResponse]
+SyncView = Callable[..., HttpResponseBase]
 
 
 def client_address(request: HttpRequest) -> str:
@@ -53,7 +54,9 @@ def _account(request: HttpRequest) -> str:
     a fullwidth "a" or a space cannot dodge the counter of "alice"."""
     name_field = get_user_model().USERNAME_FIELD
     raw = str(request.POST.get(name_field, ""))
-    max_length = get_user_model()._meta.get_field(name_field).max_length
+    field = get_user_model()._meta.get_field(name_field)
+    # USERNAME_FIELD names a concrete field; only a reverse relation would lack max_length.
+    max_length = field.max_length if isinstance(field, Field) else None
     return str(UsernameField(max_length=max_length or 254).to_python(raw))
 
 
@@ -72,7 +75,7 @@ def _too_many(request: HttpRequest, wait: int) -> HttpResponse:
     return response
 
 
-def _login(view: SyncView, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+def _login(view: SyncView, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
     """One login request, on a pool thread: the throttle, then Django's view."""
     try:
         if request.method != "POST":
@@ -92,10 +95,10 @@ def _login(view: SyncView, request: HttpRequest, *args: Any, **kwargs: Any) -> H
         close_old_connections()
 
 
-def throttled(view: SyncView) -> Callable[..., Awaitable[HttpResponse]]:
+def throttled(view: SyncView) -> Callable[..., Coroutine[Any, Any, HttpResponseBase]]:
     """``view`` as an async view that runs it on the login pool, behind the throttle."""
 
-    async def login_view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+    async def login_view(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         run = sync_to_async(_login, thread_sensitive=False, executor=_pool)
         return await run(view, request, *args, **kwargs)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 
 from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
@@ -20,7 +21,8 @@ from nodes import status as node_status
 from nodes.models import Node
 from nodes.status_cache import NodeStatus
 
-operator_required = staff_member_required(login_url="/login/")
+PageView = Callable[..., HttpResponse]
+operator_required: Callable[[PageView], PageView] = staff_member_required(login_url="/login/")
 
 
 def _gib(value: object) -> float | None:

@@ -8,6 +8,7 @@ refused here, naming the field (core.jsoninput holds the rules /v1 shares).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import parsers
@@ -18,7 +19,10 @@ from core.jsoninput import first_non_text, why_not_json
 
 class JSONParser(parsers.JSONParser):
     def parse(
-        self, stream: Any, media_type: str | None = None, parser_context: dict | None = None
+        self,
+        stream: Any,
+        media_type: str | None = None,
+        parser_context: Mapping[str, Any] | None = None,
     ) -> Any:
         # A ServiceError, like the services' own refusals: the message starts with the
         # field and details name it (DRF's ParseError would read "detail: ...").

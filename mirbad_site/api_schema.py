@@ -30,7 +30,7 @@ DOCS_CONTENT_SECURITY_POLICY = CONTENT_SECURITY_POLICY.replace(
 )
 
 
-class ApiKeyScheme(OpenApiAuthenticationExtension):  # type: ignore[no-untyped-call]
+class ApiKeyScheme(OpenApiAuthenticationExtension):
     """``Authorization: Bearer <key>`` in the schema (mirbad_site.api_auth)."""
 
     target_class = "mirbad_site.api_auth.ApiKeyAuthentication"

@@ -48,7 +48,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     _refused = False  # over the connection cap: never one of the server's connections
     _closing = False  # a limit was broken: nothing more is read
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    # uvicorn's own override narrows BaseTransport to Transport the same way (and ignores it too).
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # see above
         limits = self.limits or _settings_limits()
         # server_state.connections is this listener's open HTTP and websocket connections.
         if len(self.connections) >= limits.max_connections:

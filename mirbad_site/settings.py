@@ -11,10 +11,15 @@ import sys
 from pathlib import Path
 
 import dj_database_url
+import django_stubs_ext
 
 from core.config import load_master_config, load_secret_key
 from core.envconf import SettingError
 from mirbad_site.web_security import REDIRECT_EXEMPT, load_web_security
+
+# Lets typed code subscript Django's generic classes at run time, e.g. a base
+# class `admin.ModelAdmin[ApiKey]` (docs/decisions.md D47).
+django_stubs_ext.monkeypatch()
 
 try:
     MIRBAD = load_master_config()

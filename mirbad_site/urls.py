@@ -70,9 +70,8 @@ urlpatterns = [
     path("healthz", healthz),
     path("admin/login/", login_views.admin_login),  # ahead of the admin's own, unthrottled
     path("admin/", admin.site.urls),
-    # drf-spectacular's views type as_view() as async; they are DRF's sync views.
-    path("api/schema", api_schema.SchemaView.as_view(), name="api-schema"),  # type: ignore[arg-type]
-    path("api/docs", api_schema.DocsView.as_view(), name="api-docs"),  # type: ignore[arg-type]
+    path("api/schema", api_schema.SchemaView.as_view(), name="api-schema"),
+    path("api/docs", api_schema.DocsView.as_view(), name="api-docs"),
     path("api/nodes", nodes_api.as_view({"get": "list"})),
     path("api/nodes/<str:node_id>", nodes_api.as_view(_READ_CHANGE)),
     path("api/join-tokens", node_api.JoinTokenView.as_view()),

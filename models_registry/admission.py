@@ -19,6 +19,7 @@ nothing else.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,7 +122,7 @@ def compute_estimate(
     )
 
 
-def node_gpus(node: Node, status: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+def node_gpus(node: Node, status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """The node's GPUs by UUID: the latest heartbeat's probe, else the enrollment facts."""
     telemetry = (status or {}).get("telemetry") or {}
     gpus = telemetry.get("gpus")
@@ -148,7 +149,7 @@ def check(
     gpu_uuids: list[str],
     gpu_budgets: list[int],
     budget: int,
-    status: dict[str, Any] | None,
+    status: Mapping[str, Any] | None,
     starting_budgets: dict[str | None, int],
 ) -> list[Line]:
     """Every admission line of one placement; a partial budget map is refused outright.

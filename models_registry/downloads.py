@@ -94,7 +94,10 @@ def _hub_error(repo_id: str, revision: str, token: str | None, exc: Exception) -
     )
 
 
-def _check_repo(repo_id: Any, revision: Any, token: Any, fields: tuple[str, str, str]) -> None:
+def _check_repo(
+    repo_id: Any, revision: Any, token: Any, fields: tuple[str, str, str]
+) -> tuple[str, str, str | None]:
+    """The repo, revision and token of a request, checked (400 naming the field)."""
     repo_field, revision_field, token_field = fields
     if not isinstance(repo_id, str) or not REPO_RE.match(repo_id):
         raise _invalid(f"{repo_field}: name a Hugging Face repo as owner/name")
@@ -102,6 +105,7 @@ def _check_repo(repo_id: Any, revision: Any, token: Any, fields: tuple[str, str,
         raise _invalid(f"{revision_field}: name a branch, a tag or a commit SHA")
     if token is not None and not isinstance(token, str):
         raise _invalid(f"{token_field}: must be a string (a Hugging Face token) or null")
+    return repo_id, revision, token
 
 
 def repo_files(repo_id: str, revision: str, token: str | None) -> tuple[str, list[dict[str, Any]]]:
@@ -164,7 +168,7 @@ def gguf_variants(files: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]
 def inspect(repo_id: Any, revision: Any, token: Any) -> dict[str, Any]:
     """GET /api/downloads/inspect: read the hub, not a node (no ?node=)."""
     revision = revision or "main"
-    _check_repo(repo_id, revision, token, ("repo", "revision", "token"))
+    repo_id, revision, token = _check_repo(repo_id, revision, token, ("repo", "revision", "token"))
     sha, files = repo_files(repo_id, revision, token or None)
     return {"repoId": repo_id, "revision": revision, "commit": sha} | gguf_variants(files)
 
@@ -220,7 +224,9 @@ def start_download(node_param: str | None, body: Any) -> dict[str, Any]:
     folder = _check_folder(body.get("folder"))
     repo_id, token = body.get("repoId"), body.get("token")
     revision = body.get("revision") or "main"
-    _check_repo(repo_id, revision, token, ("repoId", "revision", "token"))
+    repo_id, revision, token = _check_repo(
+        repo_id, revision, token, ("repoId", "revision", "token")
+    )
     patterns = body.get("allowPatterns")
     variant_name = body.get("variant")
     if variant_name is not None and patterns is not None:

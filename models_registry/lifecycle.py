@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from django.conf import settings
@@ -199,7 +200,7 @@ def _budget_of(model_id: Any) -> int:
     return int(model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes") or 0)
 
 
-def starting_budgets(status: dict[str, Any] | None, *, skip: str) -> dict[str | None, int]:
+def starting_budgets(status: Mapping[str, Any] | None, *, skip: str) -> dict[str | None, int]:
     """Budgets of the node's instances still Starting (not allocated yet), by GPU or host."""
     out: dict[str | None, int] = {}
     for inst in ((status or {}).get("instances") or {}).values():
@@ -213,7 +214,10 @@ def starting_budgets(status: dict[str, Any] | None, *, skip: str) -> dict[str | 
 
 
 def admission_lines(
-    model: ModelDefinition, placement: Placement, estimate: dict[str, Any], status: dict | None
+    model: ModelDefinition,
+    placement: Placement,
+    estimate: dict[str, Any],
+    status: Mapping[str, Any] | None,
 ) -> list[admission.Line]:
     return admission.check(
         node=placement.node,
@@ -413,7 +417,9 @@ def record_measurement(node_id: str, instance: dict[str, Any]) -> MemorySample |
     ready_at = instance.get("readyAt")
     if not isinstance(measured.get("bytes"), int) or not ready_at:
         return None
-    model = ModelDefinition.objects.filter(pk=instance.get("modelId")).first()
+    model_id = instance.get("modelId")
+    # A missing id finds no model, as filter(pk=None) did.
+    model = ModelDefinition.objects.filter(pk=model_id).first() if model_id is not None else None
     if model is None:
         return None
     estimate = model.estimate or {}

@@ -180,8 +180,8 @@ def _apply_placements(model: ModelDefinition, wanted: list[dict[str, Any]]) -> N
             f"Model '{model.served_name}' is running on {removed[0].node.node_id}; stop it "
             "before removing that placement.",
         )
-    for placement in removed:
-        placement.delete()
+    for gone in removed:
+        gone.delete()
     for item in wanted:
         placement = current.get(item["node"].pk)
         if placement is None:
@@ -263,7 +263,7 @@ def model_state(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict
         node_id = placement.node.node_id
         status = statuses.get(node_id)
         if not node_status.is_serving(status):
-            candidate = {"state": "Offline", "nodeId": node_id, "error": None}
+            candidate: dict[str, Any] = {"state": "Offline", "nodeId": node_id, "error": None}
         else:
             assert status is not None
             inst = (status.get("instances") or {}).get(placement.instance_id)

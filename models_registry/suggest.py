@@ -12,6 +12,7 @@ the placement: the operator picks, the API call stays explicit.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from core.errors import ServiceError
@@ -22,7 +23,7 @@ from nodes import status as node_status
 from nodes.models import Node
 
 
-def _holds(status: dict[str, Any], folder: str) -> bool:
+def _holds(status: Mapping[str, Any], folder: str) -> bool:
     weights = (status.get("telemetry") or {}).get("weights") or []
     return any(isinstance(w, dict) and w.get("folder") == folder for w in weights)
 
@@ -121,12 +122,15 @@ def suggest_placements(model_id: int) -> dict[str, Any]:
         disk_ok: bool | None = True
         if not holds:
             free = _models_disk_free(status)
-            disk_ok = None if free is None or size is None else free >= size
-            if disk_ok is False:
-                reasons.append(
-                    f"models disk has {free / admission.GIB:.1f} GiB free, the weights need "  # type: ignore[operator]
-                    f"{size / admission.GIB:.1f} GiB"  # type: ignore[operator]
-                )
+            if free is None or size is None:
+                disk_ok = None
+            else:
+                disk_ok = free >= size
+                if not disk_ok:
+                    reasons.append(
+                        f"models disk has {free / admission.GIB:.1f} GiB free, the weights need "
+                        f"{size / admission.GIB:.1f} GiB"
+                    )
         load = sum(
             1
             for inst in (status.get("instances") or {}).values()

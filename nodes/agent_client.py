@@ -119,7 +119,7 @@ class AgentClient:
         self.node = node
         self._client = httpx.Client(
             base_url=_base(node),
-            verify=node_ssl_context(node),  # type: ignore[arg-type]
+            verify=node_ssl_context(node),
             timeout=timeout,
         )
 
@@ -205,7 +205,7 @@ class AsyncAgentClient:
         self.node = node
         self._client = httpx.AsyncClient(
             base_url=_base(node),
-            verify=node_ssl_context(node),  # type: ignore[arg-type]
+            verify=node_ssl_context(node),
             timeout=timeout,
         )
 
@@ -236,7 +236,8 @@ class AsyncAgentClient:
                 if response.status_code >= 400:
                     await response.aread()
                     _check(response)
-                event, data_lines = "message", []
+                event = "message"
+                data_lines: list[str] = []
                 async for line in response.aiter_lines():
                     if line == "":
                         if data_lines:

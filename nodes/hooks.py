@@ -19,7 +19,8 @@ from nodes.events import ModelSummary
 
 log = logging.getLogger("mirbad.nodes.hooks")
 
-MeasurementHandler = Callable[[str, dict[str, Any]], None]
+# What it returns (the sample it kept, if any) is not used here.
+MeasurementHandler = Callable[[str, dict[str, Any]], object]
 AutostartHandler = Callable[[str], list[dict[str, Any]]]
 ModelRowsHandler = Callable[[str, list[int] | None], list[ModelSummary]]
 

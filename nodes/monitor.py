@@ -240,7 +240,7 @@ class NodeWorker:
         self.status["agentVersion"] = str(info.get("agentVersion", ""))
         self.status["protocolVersion"] = max(common) if common else None
         self.agent_fencing = info.get("fencing")
-        self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
+        self.status["fencing"] = self.agent_fencing
         await self.save_info(info, max(common) if common else None)
         if self.incompatible:
             self.status["lastError"] = (
@@ -312,23 +312,23 @@ class NodeWorker:
                     telemetry[key] = data[key]
             if "fencing" in data and data["fencing"] != self.agent_fencing:
                 self.agent_fencing = data["fencing"]
-                self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
+                self.status["fencing"] = self.agent_fencing
                 await self.recompute()
             if "downloads" in data:
-                self.status["downloads"] = {  # type: ignore[typeddict-unknown-key]
+                self.status["downloads"] = {
                     d["folder"]: d
                     for d in data["downloads"]
                     if isinstance(d, dict) and "folder" in d
                 }
             await status_cache.awrite(self.status)
         elif name == "download" and "folder" in data:
-            downloads = self.status.setdefault("downloads", {})  # type: ignore[typeddict-item]
+            downloads = self.status.setdefault("downloads", {})
             downloads[data["folder"]] = data
             await status_cache.awrite(self.status)
             await self.publish_download(data)
         elif name == "fencing":
             self.agent_fencing = data.get("accepted")
-            self.status["fencing"] = self.agent_fencing  # type: ignore[typeddict-unknown-key]
+            self.status["fencing"] = self.agent_fencing
             await self.recompute()
         elif name == "health":
             self.agent_reasons = list(data.get("reasons") or [])
@@ -407,7 +407,7 @@ class NodeWorker:
             done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 if task is not stopper and task.exception() is not None:
-                    raise task.exception()  # type: ignore[misc]
+                    raise task.exception()  # type: ignore[misc]  # not None: checked above
         finally:
             for task in [*tasks, stopper]:
                 task.cancel()

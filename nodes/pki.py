@@ -126,12 +126,13 @@ def load_or_create_ca(pki_dir: Path) -> CertificateAuthority:
             pass  # another process won the race; load its CA below
     try:
         cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
-        key = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
+        # Not `key`: that name holds the generated EC key above, this may be any type.
+        loaded = serialization.load_pem_private_key(key_path.read_bytes(), password=None)
     except (OSError, ValueError) as exc:
         raise PkiError(f"The CA in {pki_dir} cannot be read: {exc}") from exc
-    if not isinstance(key, ec.EllipticCurvePrivateKey):
+    if not isinstance(loaded, ec.EllipticCurvePrivateKey):
         raise PkiError(f"{key_path} is not an EC private key.")
-    return CertificateAuthority(cert=cert, key=key, cert_path=cert_path)
+    return CertificateAuthority(cert=cert, key=loaded, cert_path=cert_path)
 
 
 def _ku_signing() -> x509.KeyUsage:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import ssl
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TypeGuard
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -253,7 +255,7 @@ def enroll(
     }
 
 
-def node_ssl_context(node: Node) -> object:
+def node_ssl_context(node: Node) -> ssl.SSLContext:
     """The pinned TLS context for dialing ``node`` (cached per pin set)."""
     mp = master_pki()
     return _context_cached(
@@ -265,7 +267,7 @@ def node_ssl_context(node: Node) -> object:
 @lru_cache(maxsize=1024)
 def _context_cached(
     ca_path: str, cert: str, key: str, node_id: str, pins: tuple[str, ...]
-) -> object:
+) -> ssl.SSLContext:
     ca = x509.load_pem_x509_certificate(Path(ca_path).read_bytes())
     return pki.agent_client_context(
         ca=ca,
@@ -449,7 +451,7 @@ def takeover() -> dict[str, object]:
         seen[node.node_id] = epoch
         highest = max(highest, epoch)
     identity = fencing.begin_epoch(cfg.data_path, at_least=highest + 1)
-    record = {
+    record: dict[str, object] = {
         "at": timezone.now().isoformat(),
         "previousEpoch": before.epoch if before else None,
         "epoch": identity.epoch,
@@ -492,7 +494,7 @@ def set_reserves(
         )
     node = _node_or_404(node_id)
 
-    def nonnegative(value: object) -> bool:
+    def nonnegative(value: object) -> TypeGuard[int]:
         return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**50
 
     fields = []
@@ -501,7 +503,7 @@ def set_reserves(
             raise ServiceError(
                 400, "invalid_request", "memoryReserveBytes: must be a byte count of 0 or more"
             )
-        node.memory_reserve_bytes = memory_reserve  # type: ignore[assignment]
+        node.memory_reserve_bytes = memory_reserve
         fields.append("memory_reserve_bytes")
     if gpu_reserves is not None:
         known = {g.get("uuid") for g in (node.facts or {}).get("gpus") or [] if isinstance(g, dict)}
@@ -547,9 +549,10 @@ def node_from_param(value: str | None, *, action: str) -> Node:
     else:
         if not NODE_ID_RE.fullmatch(value):
             raise ServiceError(400, "invalid_request", "?node= is not a valid node id.")
-        node = Node.objects.filter(node_id=value, revoked=False).first()
-        if node is None:
+        found = Node.objects.filter(node_id=value, revoked=False).first()
+        if found is None:
             raise ServiceError(404, "not_found", f"Node '{value}' does not exist.")
+        node = found
     if not node.approved:
         raise ServiceError(
             409,

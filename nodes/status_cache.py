@@ -61,6 +61,8 @@ class NodeStatus(TypedDict, total=False):
     clockSkewSeconds: float | None
     telemetry: dict[str, Any]
     instances: dict[str, dict[str, Any]]
+    downloads: dict[str, dict[str, Any]]  # by folder, as the agent reports them
+    fencing: dict[str, Any] | None  # the epoch the agent accepted
     updatedAt: float
     statusSource: str  # reader-side only: LAST_KNOWN or UNKNOWN when Redis was unreachable
     statusAsOf: float | None  # reader-side only: when this process last read it live
@@ -209,7 +211,7 @@ _memory = _Memory()
 _UNREACHABLE = (redis.RedisError, OSError)
 
 
-def _decode(node_ids: list[str], raws: list[str | None]) -> dict[str, NodeStatus | None]:
+def _decode(node_ids: list[str], raws: list[str | bytes | None]) -> dict[str, NodeStatus | None]:
     answers = {n: (json.loads(r) if r else None) for n, r in zip(node_ids, raws, strict=True)}
     _memory.remember(answers)
     return answers
@@ -254,7 +256,7 @@ def source(status: NodeStatus | None) -> str:
 def oldest_as_of(statuses: Mapping[str, NodeStatus | None]) -> tuple[bool, float | None]:
     """(any status not live, when the oldest last-known one was read) for a page's banner."""
     stale = [s for s in statuses.values() if source(s) != LIVE]
-    times = [s["statusAsOf"] for s in stale if s and s.get("statusAsOf") is not None]
+    times = [t for s in stale if s and (t := s.get("statusAsOf")) is not None]
     return bool(stale), (min(times) if times else None)
 
 
@@ -266,7 +268,8 @@ def forget() -> None:
 def _stored(status: NodeStatus) -> str:
     status["updatedAt"] = time.time()
     if any(field in status for field in READER_FIELDS):  # a last-known copy written back
-        status = {k: v for k, v in status.items() if k not in READER_FIELDS}  # type: ignore[assignment]
+        # A plain dict: the record less keys it declares, which a TypedDict cannot type.
+        status = {k: v for k, v in status.items() if k not in READER_FIELDS}  # type: ignore[assignment]  # see above
     return json.dumps(status)
 
 

@@ -11,14 +11,16 @@ from router.models import ApiKey, UsageRecord
 
 
 @admin.action(description="Revoke the selected keys")
-def revoke(modeladmin: admin.ModelAdmin, request: HttpRequest, rows: QuerySet[ApiKey]) -> None:
+def revoke(
+    modeladmin: admin.ModelAdmin[ApiKey], request: HttpRequest, rows: QuerySet[ApiKey]
+) -> None:
     for row in rows:
         keys.revoke_key(row.pk)  # save(): every router drops the key from its cache
     modeladmin.message_user(request, f"Revoked {len(rows)} key(s).", messages.SUCCESS)
 
 
 @admin.register(ApiKey)
-class ApiKeyAdmin(admin.ModelAdmin):
+class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
     list_display = (
         "name",
         "prefix",
@@ -41,7 +43,7 @@ class ApiKeyAdmin(admin.ModelAdmin):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
     list_display = ("hour", "key_prefix", "model", "requests", "prompt_tokens", "completion_tokens")
     list_filter = ("model",)
     readonly_fields = ("key", "key_prefix", "model", "hour")

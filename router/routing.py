@@ -12,7 +12,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from asgiref.sync import sync_to_async
 
@@ -23,6 +23,8 @@ from nodes.models import Node
 from nodes.states import NodeState
 from protocol.states import InstanceState
 from router import errors, keys
+
+_T = TypeVar("_T")
 
 # Changes arrive through router.invalidation within milliseconds; the TTLs only
 # bound how long a lost message can leave an entry wrong.
@@ -59,14 +61,14 @@ class RoutingTable:
         self._keys: dict[str, tuple[float, keys.KeyInfo | None]] = {}
         # Every served name, for /v1/models: one entry, dropped by any route change.
         self._names: dict[str, tuple[float, list[str]]] = {}
-        self._statuses: dict[str, tuple[float, dict | None]] = {}
-        self._status_reads: dict[str, asyncio.Future[dict | None]] = {}
+        self._statuses: dict[str, tuple[float, status_cache.NodeStatus | None]] = {}
+        self._status_reads: dict[str, asyncio.Future[status_cache.NodeStatus | None]] = {}
         self._loads: dict[tuple[int, str], asyncio.Future[Any]] = {}
         self._generation = 0  # bumped by every key or route change
         self._status_generation = 0  # bumped by every status change
         self.in_flight: dict[str, int] = {}
 
-    def invalidate(self, message: dict) -> None:
+    def invalidate(self, message: dict[str, Any]) -> None:
         """Apply a ``router.invalidate`` message (nodes.events; see router.invalidation)."""
         if message.get("kind") == "status":
             # The monitor wrote a new state or new instances for that node.
@@ -100,11 +102,11 @@ class RoutingTable:
 
     async def _cached(
         self,
-        store: dict[str, tuple[float, Any]],
+        store: dict[str, tuple[float, _T]],
         name: str,
         ttl: float,
-        load: Callable[[str], Any],
-    ) -> Any:
+        load: Callable[[str], _T],
+    ) -> _T:
         """A cached database answer: one load at a time per name, stale ones served meanwhile.
 
         The TTL only guards against a lost invalidation (changes drop entries at once),
@@ -121,17 +123,17 @@ class RoutingTable:
 
     def _load(
         self,
-        store: dict[str, tuple[float, Any]],
+        store: dict[str, tuple[float, _T]],
         name: str,
         ttl: float,
-        load: Callable[[str], Any],
-    ) -> asyncio.Future[Any]:
+        load: Callable[[str], _T],
+    ) -> asyncio.Future[_T]:
         flight = (id(store), name)
         pending = self._loads.get(flight)
         if pending is None:
             generation = self._generation
 
-            async def run() -> Any:
+            async def run() -> _T:
                 value = await sync_to_async(load)(name)
                 # A change announced while the query ran may not be in its answer: then
                 # it is not kept, and the next request loads again.
@@ -164,7 +166,7 @@ class RoutingTable:
                 ready.append(name)
         return ready
 
-    async def status(self, node_id: str) -> dict | None:
+    async def status(self, node_id: str) -> status_cache.NodeStatus | None:
         """A node's status record, cached briefly here and dropped when the monitor reports a change.
 
         The record as stored; :meth:`_effective` applies the rule of ``nodes.status``.
@@ -204,8 +206,8 @@ class RoutingTable:
         return done
 
     async def _read_status(
-        self, node_id: str, previous: tuple[float, dict | None] | None
-    ) -> dict | None:
+        self, node_id: str, previous: tuple[float, status_cache.NodeStatus | None] | None
+    ) -> status_cache.NodeStatus | None:
         generation = self._status_generation
         failure: Exception | None = None
         try:
@@ -224,12 +226,12 @@ class RoutingTable:
                 503, "server_busy", "Node statuses cannot be read right now.", retry_after=5
             ) from failure
         if generation == self._status_generation:  # else it may predate a change
-            self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)  # type: ignore[assignment]
-        return status  # type: ignore[return-value]
+            self._statuses[node_id] = (time.monotonic() + STATUS_TTL, status)
+        return status
 
     async def _effective(self, node: Node) -> status_cache.NodeStatus:
         """The node's effective status (nodes.status.effective) from the cached record."""
-        return node_status.effective(node, await self.status(node.node_id))  # type: ignore[arg-type]
+        return node_status.effective(node, await self.status(node.node_id))
 
     async def _ready(self, route: Route) -> list[Replica]:
         out = []

@@ -190,7 +190,7 @@ class DownloadRequestSerializer(ApiSerializer):
     folder = JsonStr(help_text="The model folder to create on the node.")
     # A field called "source" (the API's name) hides Field.source only for the type checker:
     # DRF takes declared fields off the class.
-    source = JsonStr(help_text="'huggingface' (the default); 'ollama' answers 501.")  # type: ignore[assignment]
+    source = JsonStr(help_text="'huggingface' (the default); 'ollama' answers 501.")  # type: ignore[assignment]  # see above
     repoId = JsonStr(help_text="The Hugging Face repo, e.g. org/name-GGUF.")
     revision = JsonStr(help_text="A branch, tag or commit; 'main' when left out.")
     allowPatterns = JsonStrList(help_text="File patterns to fetch; or name a variant.")

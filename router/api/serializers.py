@@ -9,6 +9,7 @@ from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
 from core.api_serializers import ApiSerializer, IsoDateTime, JsonInt, JsonStr, JsonStrList
+from router.models import ApiKey
 
 
 class KeyWriteSerializer(ApiSerializer):
@@ -51,7 +52,7 @@ class KeyWriteSerializer(ApiSerializer):
         return source
 
 
-class KeySerializer(serializers.Serializer):
+class KeySerializer(serializers.Serializer[ApiKey]):
     """An API key as listed; the key itself is shown only once, at creation."""
 
     id = serializers.IntegerField(source="pk")
@@ -72,11 +73,11 @@ class NewKeySerializer(KeySerializer):
     key = serializers.CharField(help_text="The key itself: shown this once, stored hashed.")
 
 
-class KeyListSerializer(serializers.Serializer):
+class KeyListSerializer(serializers.Serializer[dict[str, Any]]):
     keys = KeySerializer(many=True)
 
 
-class UsageRowSerializer(serializers.Serializer):
+class UsageRowSerializer(serializers.Serializer[dict[str, Any]]):
     """One key and model's sums over the range (router.usage.usage_summary's row)."""
 
     keyId = serializers.IntegerField(source="key_id", allow_null=True)
@@ -92,16 +93,16 @@ class UsageRowSerializer(serializers.Serializer):
         return int(row["prompt_tokens"] + row["completion_tokens"])
 
 
-class UsageTotalsSerializer(serializers.Serializer):
+class UsageTotalsSerializer(serializers.Serializer[dict[str, Any]]):
     requests = serializers.IntegerField()
     promptTokens = serializers.IntegerField()
     completionTokens = serializers.IntegerField()
     totalTokens = serializers.IntegerField()
 
 
-class UsageSummarySerializer(serializers.Serializer):
+class UsageSummarySerializer(serializers.Serializer[dict[str, Any]]):
     # "from" is a keyword: the field is declared in get_fields.
-    def get_fields(self) -> dict[str, serializers.Field]:
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         return {
             "from": serializers.CharField(help_text="The range's start (ISO 8601)."),
             "to": serializers.CharField(help_text="The range's end (ISO 8601)."),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.handlers.asgi import ASGIRequest
@@ -37,14 +38,18 @@ def _query(request: Request) -> dict[str, Any]:
     }
 
 
+# GenericAPIView[Any]: no queryset, no model; the generic view is there for the
+# schema (serializer_class, parameters), and its rows are dicts, not model rows.
 @extend_schema(tags=["usage"])
-class UsageSummary(GenericAPIView):
+class UsageSummary(GenericAPIView[Any]):
     serializer_class = UsageSummarySerializer
 
     @extend_schema(parameters=_RANGE, responses={200: UsageSummarySerializer, **errors(400)})
     def get(self, request: Request) -> Response:
         query = _query(request)
-        items = UsageRowSerializer(usage.usage_summary(**query), many=True).data
+        rows = usage.usage_summary(**query)
+        # many=True takes a list of rows; the stubs type the argument as one row.
+        items = UsageRowSerializer(rows, many=True).data  # type: ignore[arg-type]  # see above
         totals = {
             name: sum(item[name] for item in items)
             for name in ("requests", "promptTokens", "completionTokens", "totalTokens")
@@ -63,13 +68,14 @@ class _AnyAccept(DefaultContentNegotiation):
     """A CSV download is asked for with any Accept; errors still come back as JSON."""
 
     def select_renderer(
-        self, request: Request, renderers: list[BaseRenderer], format_suffix: str | None = None
+        self, request: Request, renderers: Iterable[BaseRenderer], format_suffix: str | None = None
     ) -> tuple[BaseRenderer, str]:
-        return renderers[0], renderers[0].media_type
+        first = next(iter(renderers))
+        return first, first.media_type
 
 
 @extend_schema(tags=["usage"])
-class UsageCsv(GenericAPIView):
+class UsageCsv(GenericAPIView[Any]):
     content_negotiation_class = _AnyAccept
 
     @extend_schema(
