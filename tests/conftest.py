@@ -103,3 +103,20 @@ def _no_failures_counted():
     with contextlib.suppress(RedisError, OSError):
         throttle.reset()
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_channel_layer() -> object:
+    """Each test gets its own channel layer.
+
+    channels_redis keeps its locks and pools bound to the event loop that made them, and
+    every async test runs on a new loop: a receive lock left held by a listener that an
+    earlier test cancelled made every later listener fail ("bound to a different event
+    loop") and rejoin, which drops a router's caches. A process in production has one
+    loop; the tests get what it gets.
+    """
+    from channels.layers import channel_layers
+
+    channel_layers.backends.clear()
+    yield
+    channel_layers.backends.clear()
