@@ -1,4 +1,4 @@
-# One image for every master process and for the agent (the agent uses only agent/).
+# One image for every master process and for the agent (the agent uses only agent/ and protocol/).
 FROM python:3.11-slim
 ENV PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /app

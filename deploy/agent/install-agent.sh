@@ -57,7 +57,9 @@ fi
 "$APP/venv/bin/python" -m pip install -q --disable-pip-version-check -r "$SRC/deploy/agent/requirements-agent.txt"
 rm -rf "$APP/app.new"
 mkdir -p "$APP/app.new"
+# The agent and the contract it shares with the master (docs/architecture.md, "Layers").
 cp -r "$SRC/agent" "$APP/app.new/agent"
+cp -r "$SRC/protocol" "$APP/app.new/protocol"
 find "$APP/app.new" -name __pycache__ -prune -exec rm -rf {} +
 rm -rf "$APP/app" && mv "$APP/app.new" "$APP/app"
 
