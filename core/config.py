@@ -12,7 +12,6 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from core.envconf import (
     SettingError,
@@ -26,10 +25,7 @@ from core.envconf import (
     env_str,
     env_url,
 )
-
-if TYPE_CHECKING:
-    from protocol.http_limits import HttpLimits
-
+from protocol.http_limits import HttpLimits
 from protocol.names import NODE_ID_RE
 
 
@@ -61,19 +57,15 @@ class MasterConfig:
     log_level: str
     # The limits of the web port and of the enroll listener, each its own (the agent's
     # HttpLimits defaults; docs/operator-guide.md, "Limits").
-    http_max_head_bytes: int = 64 * 1024
-    http_max_headers: int = 100
-    http_head_timeout_seconds: float = 10.0
-    http_body_idle_timeout_seconds: float = 30.0
-    http_max_connections: int = 1000
+    http_max_head_bytes: int = HttpLimits.max_head_bytes
+    http_max_headers: int = HttpLimits.max_headers
+    http_head_timeout_seconds: float = HttpLimits.head_timeout_seconds
+    http_body_idle_timeout_seconds: float = HttpLimits.body_idle_timeout_seconds
+    http_max_connections: int = HttpLimits.max_connections
 
     @property
     def http_limits(self) -> HttpLimits:
         """The listener limits as the shared rules take them."""
-        # Imported here: ``agent`` costs about a second to import, and only the two
-        # listeners (which import it anyway) ask for this.
-        from protocol.http_limits import HttpLimits
-
         return HttpLimits(
             max_head_bytes=self.http_max_head_bytes,
             max_headers=self.http_max_headers,
@@ -176,19 +168,33 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         ),
         log_level=level,
         http_max_head_bytes=env_int(
-            "MIRBAD_HTTP_MAX_HEAD_BYTES", 64 * 1024, minimum=1024, maximum=16 * 1024 * 1024, env=env
+            "MIRBAD_HTTP_MAX_HEAD_BYTES",
+            HttpLimits.max_head_bytes,
+            minimum=1024,
+            maximum=16 * 1024 * 1024,
+            env=env,
         ),
         http_max_headers=env_int(
-            "MIRBAD_HTTP_MAX_HEADERS", 100, minimum=8, maximum=10_000, env=env
+            "MIRBAD_HTTP_MAX_HEADERS", HttpLimits.max_headers, minimum=8, maximum=10_000, env=env
         ),
         http_head_timeout_seconds=env_float(
-            "MIRBAD_HTTP_HEAD_TIMEOUT_SECONDS", 10.0, minimum=0.1, env=env
+            "MIRBAD_HTTP_HEAD_TIMEOUT_SECONDS",
+            HttpLimits.head_timeout_seconds,
+            minimum=0.1,
+            env=env,
         ),
         http_body_idle_timeout_seconds=env_float(
-            "MIRBAD_HTTP_BODY_IDLE_TIMEOUT_SECONDS", 30.0, minimum=0.1, env=env
+            "MIRBAD_HTTP_BODY_IDLE_TIMEOUT_SECONDS",
+            HttpLimits.body_idle_timeout_seconds,
+            minimum=0.1,
+            env=env,
         ),
         http_max_connections=env_int(
-            "MIRBAD_HTTP_MAX_CONNECTIONS", 1000, minimum=1, maximum=1_000_000, env=env
+            "MIRBAD_HTTP_MAX_CONNECTIONS",
+            HttpLimits.max_connections,
+            minimum=1,
+            maximum=1_000_000,
+            env=env,
         ),
     )
 
