@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_support import issue, make_ca
+from tests.agent.agent_support import issue, make_ca
 from aiohttp import web
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from multidict import CIMultiDict
