@@ -19,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.agent.agent_support import issue, make_ca
 from aiohttp import web
 from cryptography.x509.oid import ExtendedKeyUsageOID
 from multidict import CIMultiDict
 
 from protocol.errors import BadResponse, ConnectFailed, Disconnected, ReadTimeout, WireError
 from protocol.wire import MAX_RESPONSE_HEADERS, WirePool
+from tests.agent.agent_support import issue, make_ca
 
 pytestmark = pytest.mark.timeout(30)
 
