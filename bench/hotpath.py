@@ -16,7 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from router.metrics import Metrics
-from router.transform import StreamFilter, UsageSniffer, prepare
+from router.sse import StreamFilter, UsageSniffer
+from router.transform import prepare
 
 FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "router" / "fixtures"
 

@@ -21,7 +21,8 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from django.urls import path  # noqa: E402
 
 from console.consumers import FleetConsumer  # noqa: E402
-from router.app import Receive, RouterApp, Scope, Send  # noqa: E402
+from router.app import RouterApp, Scope  # noqa: E402
+from router.relay import Receive, Send  # noqa: E402
 
 router_app = RouterApp()
 # The console's and the API docs' static files come from the apps' static/ folders.

@@ -16,7 +16,6 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,10 +36,11 @@ from protocol.errors import (
     WireError,
 )
 from protocol.wire import WirePool, WireResponse
-from router import errors, metrics, transform
+from router import errors, metrics, sse, transform
 from router.errors import V1Error
 from router.invalidation import Listener
 from router.limits import Limiter
+from router.relay import ClientGone, Receive, Send, WholeReader, stream, tee
 from router.routing import Replica, RoutingTable
 from router.usage import UsageMeter
 
@@ -74,8 +74,6 @@ HOP_BY_HOP = {
 AGENT_ERROR_BYTES = ERROR_HEADER.encode()
 
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 @dataclass(slots=True)
@@ -93,10 +91,6 @@ class _Request:
 
 
 class _TooLarge(Exception):
-    pass
-
-
-class _ClientGone(Exception):
     pass
 
 
@@ -199,7 +193,7 @@ class RouterApp:
         except V1Error as exc:
             request.status, request.error_code = exc.status, exc.code
             await self._send_error(send, exc, started)
-        except _ClientGone as exc:
+        except ClientGone as exc:
             request.status = 499  # nginx's "client closed request"
             if isinstance(exc.__cause__, ReadTimeout):
                 # Not the client: the agent went silent mid-stream and the stream was cut.
@@ -424,7 +418,7 @@ class RouterApp:
                 agent_error = response.header(ERROR_HEADER)
                 if agent_error:
                     await self._agent_error(response, agent_error, name, node.node_id)
-                whole = _WholeReader(response, name, node.node_id, timeout)
+                whole = WholeReader(response, name, node.node_id, timeout)
                 prefetched = await whole.small() if response.status == 503 else None
                 if prefetched is not None and b"oading" in prefetched:
                     # llama-server answers 503 "Loading model" while it (re)loads: nothing
@@ -465,11 +459,11 @@ class RouterApp:
                     await send({"type": "http.response.body", "body": prefetched})
                     if not ok:
                         return None
-                    sniffer = transform.UsageSniffer()
+                    sniffer = sse.UsageSniffer()
                     sniffer.feed(prefetched)
                     return sniffer.usage
                 if ok and streamed:
-                    events = transform.StreamFilter(injected_usage=prepared.injected_usage)
+                    events = sse.StreamFilter(injected_usage=prepared.injected_usage)
                     sent_done = False
 
                     def feed(chunk: bytes) -> bytes:
@@ -480,15 +474,13 @@ class RouterApp:
                         return out
 
                     try:
-                        await _stream(
-                            response, receive, send, feed, events.close, lambda: sent_done
-                        )
+                        await stream(response, receive, send, feed, events.close, lambda: sent_done)
                     finally:
                         request.usage = events.usage  # tokens were spent even if it left
                     return events.usage
-                sniffer = transform.UsageSniffer()
+                sniffer = sse.UsageSniffer()
                 try:
-                    await _stream(response, receive, send, _tee(sniffer), None)
+                    await stream(response, receive, send, tee(sniffer), None)
                 finally:
                     request.usage = sniffer.usage
                 return sniffer.usage
@@ -531,7 +523,7 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise _ClientGone
+            raise ClientGone
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > MAX_BODY:
@@ -539,34 +531,6 @@ async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-@dataclass(slots=True)
-class _WholeReader:
-    """Reads an answer whole before its head goes to the client: a failure then is still
-    an error answer (504 for the read timeout, 502 otherwise), never an unhandled 500."""
-
-    response: WireResponse
-    name: str
-    node_id: str
-    timeout: float
-
-    async def read(self) -> bytes:
-        try:
-            return await self.response.read()
-        except ReadTimeout as exc:
-            raise errors.upstream_timeout(self.name, self.node_id, self.timeout) from exc
-        except WireError as exc:
-            raise errors.upstream_unavailable(
-                f"Node '{self.node_id}' broke off its answer: {exc}"
-            ) from exc
-
-    async def small(self) -> bytes | None:
-        """The whole body of a small answer (an engine's 503), None when it is not small."""
-        length = self.response.content_length
-        if length is None or length > 65536:
-            return None
-        return await self.read()
 
 
 def _parse(body: bytes) -> dict[str, Any]:
@@ -593,75 +557,6 @@ def _parse(body: bytes) -> dict[str, Any]:
             param="model",
         )
     return data
-
-
-def _tee(sniffer: transform.UsageSniffer) -> Callable[[bytes], bytes]:
-    def feed(chunk: bytes) -> bytes:
-        sniffer.feed(chunk)
-        return chunk
-
-    return feed
-
-
-async def _stream(
-    response: WireResponse,
-    receive: Receive,
-    send: Send,
-    feed: Callable[[bytes], bytes],
-    close: Callable[[], bytes] | None,
-    finished: Callable[[], bool] | None = None,
-) -> None:
-    """Forward each chunk as it arrives; a client that goes away cancels the upstream.
-
-    ``feed`` sees every chunk and returns what to forward now (the SSE filter may
-    hold back an incomplete event, never more); ``close`` returns what it held.
-    """
-
-    # What came with the headers goes out right behind ours, before any task switch:
-    # the client then gets both in one read instead of waking twice (measured on the
-    # paced streams of bench/router.py).
-    first = response.take_buffered()
-    if first:
-        out = feed(first)
-        if out:
-            await send({"type": "http.response.body", "body": out, "more_body": True})
-
-    async def pump() -> None:
-        async for chunk in response.iter_chunks():
-            out = feed(chunk)
-            if out:
-                await send({"type": "http.response.body", "body": out, "more_body": True})
-        tail = close() if close is not None else b""
-        await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-    async def watch() -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    pump_task = asyncio.create_task(pump())
-    watch_task = asyncio.create_task(watch())
-    try:
-        done, _ = await asyncio.wait({pump_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
-        if pump_task in done:
-            exc = pump_task.exception()
-            if exc is not None and not isinstance(exc, WireError):
-                raise exc
-            if isinstance(exc, WireError):
-                # The upstream aborted mid-stream: end ours the same way.
-                raise _ClientGone from exc
-        elif response.at_eof() or (finished is not None and finished()):
-            # The client closed right after the last event it needed ("[DONE]"): the
-            # answer was delivered, so it is a 200 with its usage, not a 499.
-            response.close()
-        else:
-            response.close()  # the client left: drop the upstream request now
-            raise _ClientGone
-    finally:
-        for task in (pump_task, watch_task):
-            task.cancel()
-        await asyncio.gather(pump_task, watch_task, return_exceptions=True)
 
 
 def _ms(started: float) -> bytes:

@@ -1,4 +1,4 @@
-"""The router's relay of a streamed answer (router.app._stream) over the real wire client:
+"""The router's relay of a streamed answer (router.relay.stream) over the real wire client:
 what has arrived goes on in one ASGI message, a lone chunk goes on at once, and the SSE
 filter sees whole events whatever the pieces."""
 
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from protocol.wire import WirePool
-from router import transform
-from router.app import _stream
+from router import sse
+from router.relay import stream
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -99,8 +99,8 @@ async def test_waiting_chunks_go_in_one_message_a_lone_one_at_once(engine: Engin
         response = await pool.request(
             "POST", "127.0.0.1", engine.port, "/v1/chat/completions", body=b"{}"
         )
-        events = transform.StreamFilter(injected_usage=True)
-        relay = asyncio.create_task(_stream(response, receive, send, events.feed, events.close))
+        events = sse.StreamFilter(injected_usage=True)
+        relay = asyncio.create_task(stream(response, receive, send, events.feed, events.close))
         # (b) E1 goes on while the engine holds everything else: nothing waits for company.
         assert (await next_message())["body"] == E1
         assert not engine.go[1].is_set()

@@ -15,15 +15,8 @@ import numpy as np
 import pytest
 
 from router.errors import V1Error
-from router.transform import (
-    MAX_EVENT,
-    Prepared,
-    StreamFilter,
-    UsageSniffer,
-    prepare,
-    transform_embeddings,
-    usage_from,
-)
+from router.sse import MAX_EVENT, StreamFilter, UsageSniffer, usage_from
+from router.transform import Prepared, prepare, transform_embeddings
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CHAT = "/v1/chat/completions"

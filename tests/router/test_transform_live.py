@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from protocol.tinygguf import write_tiny_gguf
-from router.transform import StreamFilter, UsageSniffer, prepare, transform_embeddings
+from router.sse import StreamFilter, UsageSniffer
+from router.transform import prepare, transform_embeddings
 from tests.router.test_transform import _normalise
 
 pytestmark = pytest.mark.slow
