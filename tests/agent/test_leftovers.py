@@ -85,3 +85,25 @@ def test_no_records_no_executables_stop_nothing(
     assert stop_recorded_engines(make_config(executables=(fake_engine,))) == []
     write_records(state_dir, [record("m-1", exe=fake_engine.path, pid=os.getpid(), create_time=1)])
     assert stop_recorded_engines(make_config()) == []
+
+
+def test_the_stop_engines_command_the_launcher_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m agent stop-engines``: JSON of the stopped pids, refusals name the fix."""
+    import json
+
+    from agent.__main__ import main
+
+    monkeypatch.delenv("MIRBAD_AGENT_CONFIG", raising=False)
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    config = tmp_path / "agent.json"
+    config.write_text(json.dumps({"NodeId": "n1", "StateDirectory": str(state)}))
+    assert main(["stop-engines", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"stopped": []}
+
+    assert main(["stop-engines"]) == 2
+    assert "--config" in capsys.readouterr().err
+    assert main(["stop-engines", "--config", str(tmp_path / "missing.json")]) == 1
+    assert "missing.json: the config file does not exist" in capsys.readouterr().err
