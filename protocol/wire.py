@@ -115,6 +115,7 @@ class _Connection(asyncio.Protocol):
         in_head = not response.status
         try:
             self._parser.feed_data(data)
+            response.flush()
             if in_head and not response.status and not response.done:
                 # Still in the head after this read: count it (a head that ends in this
                 # read may share it with body bytes, which must not count).

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from protocol.errors import BadResponse, Disconnected, ReadTimeout
@@ -37,6 +37,7 @@ class WireResponse:
         "_headers",
         "_limit",
         "_paused",
+        "_sink",
         "_started",
         "_timeout",
         "_timer",
@@ -68,6 +69,7 @@ class WireResponse:
         self._timeout = read_timeout
         self._timer: asyncio.TimerHandle | None = None
         self._headers: dict[str, str] | None = None
+        self._sink: Callable[[bytes], None] | None = None
         self._started = False  # headers complete
         if read_timeout:
             self._timer = asyncio.get_running_loop().call_later(read_timeout, self._check_idle)
@@ -140,6 +142,44 @@ class WireResponse:
                 return
             await self._wait()
 
+    async def pipe(self, sink: Callable[[bytes], None]) -> None:
+        """Hand the rest of the body to ``sink`` as it arrives; return at its end.
+
+        ``sink`` is called from the connection's read callback, once per read with all
+        that read brought (a lone chunk at once, waiting chunks together), so no task
+        switch stands between a chunk's arrival and its write: the cost of that switch
+        was most of a relay's CPU per chunk (docs/decisions.md D51). ``sink`` must not
+        block or raise; :meth:`hold` pauses the reading when its side cannot take more.
+        Raises what ends the answer early (ReadTimeout, Disconnected, BadResponse).
+        """
+        self._sink = sink
+        self.flush()
+        self._resume()  # reading may have paused at the high-water mark before the pipe
+        try:
+            while not self.done:
+                await self._wait()
+        finally:
+            self._sink = None
+        if self._error is not None:
+            raise self._error
+
+    def flush(self) -> None:
+        """Give what a read brought to the ``pipe`` sink (the connection calls this)."""
+        sink = self._sink
+        if sink is not None and self._chunks:
+            data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            sink(data)
+
+    def hold(self, paused: bool) -> None:
+        """Pause (True) or resume reading the body: the ``pipe`` sink's back-pressure."""
+        if paused and not self._paused and self._conn is not None and not self.done:
+            self._paused = True
+            self._conn.pause_reading()
+        elif not paused:
+            self._resume()
+
     def close(self) -> None:
         """Done with the answer: an unfinished one aborts its connection."""
         self._stop_timer()
@@ -181,6 +221,8 @@ class WireResponse:
     def body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
+        if self._sink is not None:
+            return  # flush() hands it on at the end of this read; the sink holds reading
         if self._whole and self._buffered > self._limit:
             self._too_large()
             return
@@ -202,6 +244,7 @@ class WireResponse:
                 self._conn.resume_reading()
 
     def message_complete(self, *, keep_alive: bool) -> None:
+        self.flush()  # the last body bytes go before the end is known
         self.done = True
         self._stop_timer()
         conn = self._conn

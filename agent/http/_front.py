@@ -163,7 +163,7 @@ class ProxyFront(asyncio.Protocol):
         self._pipelined = False
         self._read_paused = False
         self._write_paused = False
-        self._drain: asyncio.Future[None] | None = None
+        self._piped: WireResponse | None = None  # the engine answer being piped here
         self._lost = False
         self._head_written = False  # of the answer in progress
         self._idle: asyncio.TimerHandle | None = None
@@ -238,16 +238,16 @@ class ProxyFront(asyncio.Protocol):
             self._task.cancel()  # the client left: the engine's request is dropped
         if self._request is not None:
             self._request.wake()
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self._piped is not None:
+            self._piped.hold(True)
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
+        if self._piped is not None:
+            self._piped.hold(False)
 
     # -- httptools callbacks -----------------------------------------------------------
 
@@ -412,15 +412,23 @@ class ProxyFront(asyncio.Protocol):
         # both forwarded in one write: the router then wakes once, not twice.
         first = response.take_buffered()
         self._write(head + _chunk(first) if first else head)
+        # The rest goes from the engine connection's read straight to this one's write
+        # (D51); a full send buffer here holds the engine's reading, not a task.
+        self._piped = response
+        if self._write_paused:
+            response.hold(True)
         try:
-            async for chunk in self._proxy.rest_of_stream(response, upstream):
-                self._write(_chunk(chunk))
-                if self._write_paused:
-                    await self._drained()
+            await self._proxy.pipe_stream(response, upstream, self._write_chunk)
         except StreamBroken:
             self.abort()
             return
+        finally:
+            self._piped = None
         self._write(b"0\r\n\r\n")
+
+    def _write_chunk(self, data: bytes) -> None:
+        if self.transport is not None and not self._lost:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
     async def _whole_body(self, request: _Request) -> bytes:
         while not request.complete:
@@ -448,15 +456,6 @@ class ProxyFront(asyncio.Protocol):
             await request.waiter
         finally:
             request.waiter = None
-
-    async def _drained(self) -> None:
-        if self._lost or not self._write_paused:
-            return
-        self._drain = asyncio.get_running_loop().create_future()
-        try:
-            await self._drain
-        finally:
-            self._drain = None
 
     def _finish(self, request: _Request) -> None:
         """After an answer: ready for the next request, or closed."""

@@ -313,6 +313,22 @@ class Proxy:
             log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
             raise StreamBroken from None
 
+    async def pipe_stream(
+        self, response: WireResponse, upstream: Upstream, sink: Callable[[bytes], None]
+    ) -> None:
+        """The body after its buffered first chunk, handed to ``sink`` from the engine
+        connection's read callback (:meth:`WireResponse.pipe`, D51); StreamBroken when
+        the engine fails mid-stream. The lean front's relay; aiohttp's route, whose
+        writes are coroutines, takes :meth:`rest_of_stream`."""
+        try:
+            await response.pipe(sink)
+        except ReadTimeout:
+            log.warning("%s; aborting the stream", self.idle_message(upstream))
+            raise StreamBroken from None
+        except WireError as exc:
+            log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
+            raise StreamBroken from None
+
     async def _relay(
         self, request: web.Request, response: WireResponse, upstream: Upstream
     ) -> web.StreamResponse:

@@ -21,6 +21,8 @@ from agent.http._server import error_middleware
 
 pytestmark = pytest.mark.timeout(30)
 
+FLOOD = 64 * 65536 * 16  # 64 MiB: far more than the socket buffers on the way hold
+
 
 class _HeadersWithFirstWrite(web.StreamResponse):
     _send_headers_immediately = False
@@ -34,6 +36,7 @@ class Env:
     release_last: asyncio.Event = field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     ready: bool = True
+    flood_sent: int = 0
     front: FrontListener | None = None
     slots: int | None = None
 
@@ -92,6 +95,18 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def flood(request: web.Request) -> web.StreamResponse:
+        # FLOOD bytes as an event stream, as fast as the proxy takes them.
+        env = env_holder["env"]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        piece = b"data: " + b"x" * 65528 + b"\n\n"
+        while env.flood_sent < FLOOD:
+            await resp.write(piece)
+            env.flood_sent += len(piece)
+        await resp.write_eof()
+        return resp
+
     async def stall(request: web.Request) -> web.Response:
         try:
             await asyncio.sleep(30)
@@ -112,6 +127,7 @@ def upstream_app(env_holder: dict[str, Env]) -> web.Application:
     app.router.add_get("/sse", sse)
     app.router.add_get("/sse-at-once", sse_at_once)
     app.router.add_get("/sse-burst", sse_burst)
+    app.router.add_get("/flood", flood)
     app.router.add_get("/stall", stall)
     app.router.add_get("/stall-mid", stall_mid)
     return app
@@ -384,6 +400,34 @@ async def test_waiting_chunks_leave_in_one_write_and_a_lone_one_at_once(
         env.release_last.set()
         rest = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
         assert b"data: e5\n\n" in rest
+    finally:
+        writer.close()
+
+
+async def test_a_client_that_does_not_read_holds_the_engine_back(env: Env) -> None:
+    """Back-pressure end to end: while the client reads nothing the engine's writes
+    stall (the proxy stops reading it, it does not buffer the stream), and when the
+    client reads again every byte arrives."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", _port(env))
+    try:
+        writer.write(b"GET /agent/v1/proxy/m-1/flood HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        await asyncio.sleep(1.0)  # twice the idle timeout: a held stream is not idle
+        stalled_at = env.flood_sent
+        assert stalled_at < FLOOD // 2, stalled_at
+        await asyncio.sleep(0.3)
+        assert env.flood_sent == stalled_at
+        received = 0
+        while True:
+            data = await asyncio.wait_for(reader.read(1 << 20), 10)
+            if not data:
+                break
+            received += data.count(b"x")
+            if data.endswith(b"0\r\n\r\n"):
+                break
+        assert received == FLOOD // (65528 + 8) * 65528
+        assert env.flood_sent == FLOOD
     finally:
         writer.close()
 

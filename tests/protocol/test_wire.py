@@ -266,6 +266,102 @@ async def test_take_buffered_hands_over_what_came_with_the_headers(pool: WirePoo
         assert response.at_eof()
 
 
+async def test_pipe_hands_each_read_to_the_sink_inside_the_read(pool: WirePool) -> None:
+    """pipe(): a lone chunk reaches the sink at once, the chunks of one read in one call,
+    each call made from the connection's read callback (no task runs between the
+    arrival and the sink), and pipe() returns when the answer ends."""
+    go = asyncio.Event()
+    got_lone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.wait_for(go.wait(), 5)
+        writer.write(b"4\r\nlone\r\n")
+        await writer.drain()
+        await asyncio.wait_for(got_lone.wait(), 5)  # it did not wait for more
+        # Three chunks in one write: one read on the other side, one sink call.
+        writer.write(b"1\r\na\r\n1\r\nb\r\n1\r\nc\r\n0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    calls: list[tuple[bytes, asyncio.Task[Any] | None]] = []
+
+    def sink(data: bytes) -> None:
+        calls.append((data, asyncio.current_task()))
+        got_lone.set()
+
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=2.0)
+        assert response.take_buffered() == b""
+        piping = asyncio.create_task(response.pipe(sink))
+        go.set()
+        await asyncio.wait_for(piping, 5)
+        assert [data for data, _ in calls] == [b"lone", b"abc"]
+        assert [task for _, task in calls] == [None, None]  # from the read callback itself
+        assert response.at_eof()
+        assert pool.connections == 1  # the answer ended cleanly: kept alive
+
+
+async def test_pipe_raises_the_read_timeout_of_a_silent_server(pool: WirePool) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nsome\r\n")
+        await writer.drain()
+        await asyncio.sleep(10)
+
+    got: list[bytes] = []
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.3)
+        started = time.monotonic()
+        with pytest.raises(ReadTimeout):
+            await response.pipe(got.append)
+        assert time.monotonic() - started < 2
+        assert b"".join(got) in (b"", b"some")
+
+
+async def test_pipe_hold_stops_reading_until_released(pool: WirePool) -> None:
+    """hold(True) is the sink's back-pressure: the server's writes stall while it holds,
+    nothing is lost, and the pause does not count as the server's silence."""
+    total = 16 * 1024 * 1024
+    sent = 0
+    piece = b"x" * 65536
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await read_head(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        while sent < total:
+            writer.write(piece)
+            sent += len(piece)
+            await writer.drain()
+        await reader.read()
+
+    got = 0
+    held = False
+    async with raw_server(handler) as server:
+        response = await pool.request("GET", "127.0.0.1", server.port, "/", read_timeout=0.5)
+
+        def sink(data: bytes) -> None:
+            nonlocal got, held
+            got += len(data)
+            if got >= 1024 * 1024 and not held:
+                held = True
+                response.hold(True)
+
+        piping = asyncio.create_task(response.pipe(sink))
+        await asyncio.sleep(1.0)  # twice the read timeout, held all along
+        assert held and not piping.done()
+        held_at = sent
+        assert held_at < total // 2, held_at  # the server stalled: reading stopped
+        await asyncio.sleep(0.2)
+        assert sent == held_at
+        response.hold(False)
+        await asyncio.wait_for(piping, 10)
+        assert got == total
+
+
 async def test_answer_until_close_is_read_whole_and_not_reused(pool: WirePool) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await read_head(reader)
