@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -297,15 +297,11 @@ class Proxy:
             "it may be stalled or overloaded."
         )
 
-    async def rest_of_stream(
-        self, response: WireResponse, upstream: Upstream
-    ) -> AsyncIterator[bytes]:
-        """The body after its buffered first chunk, each read as one piece (what is
-        waiting goes on together); StreamBroken when the engine fails mid-stream."""
+    @contextlib.contextmanager
+    def _stream_failures(self, upstream: Upstream) -> Iterator[None]:
+        """An engine failing mid-stream, logged once and raised as StreamBroken."""
         try:
-            async for chunk in response.iter_chunks():
-                if chunk:
-                    yield chunk
+            yield
         except ReadTimeout:
             log.warning("%s; aborting the stream", self.idle_message(upstream))
             raise StreamBroken from None
@@ -313,21 +309,25 @@ class Proxy:
             log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
             raise StreamBroken from None
 
+    async def rest_of_stream(
+        self, response: WireResponse, upstream: Upstream
+    ) -> AsyncIterator[bytes]:
+        """The body after its buffered first chunk, each read as one piece (what is
+        waiting goes on together); StreamBroken when the engine fails mid-stream.
+        aiohttp's route, whose writes are coroutines; the lean front pipes instead."""
+        with self._stream_failures(upstream):
+            async for chunk in response.iter_chunks():
+                if chunk:
+                    yield chunk
+
     async def pipe_stream(
         self, response: WireResponse, upstream: Upstream, sink: Callable[[bytes], None]
     ) -> None:
         """The body after its buffered first chunk, handed to ``sink`` from the engine
         connection's read callback (:meth:`WireResponse.pipe`, D51); StreamBroken when
-        the engine fails mid-stream. The lean front's relay; aiohttp's route, whose
-        writes are coroutines, takes :meth:`rest_of_stream`."""
-        try:
+        the engine fails mid-stream. The lean front's relay."""
+        with self._stream_failures(upstream):
             await response.pipe(sink)
-        except ReadTimeout:
-            log.warning("%s; aborting the stream", self.idle_message(upstream))
-            raise StreamBroken from None
-        except WireError as exc:
-            log.info("Proxy stream to %s ended early: %s", upstream.served_name, exc)
-            raise StreamBroken from None
 
     async def _relay(
         self, request: web.Request, response: WireResponse, upstream: Upstream
