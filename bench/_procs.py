@@ -167,6 +167,24 @@ def kill_pids(pids: dict[int, float]) -> list[int]:
     return killed
 
 
+def cpu_by_process(procs: list[psutil.Process]) -> dict[str, float]:
+    """user + system seconds of each of these processes, keyed by its command's name
+    (the web server, the agent: where a path's CPU goes)."""
+    out: dict[str, float] = {}
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            cmd = proc.cmdline()
+            name = next((a for a in cmd[1:] if not a.startswith("-")), proc.name())
+            if "uvicorn" in cmd or any("asgi" in a for a in cmd):
+                name = "web"
+            elif "agent" in cmd:
+                name = "agent"
+            times = proc.cpu_times()
+            key = name if name not in out else f"{name} {proc.pid}"
+            out[key] = times.user + times.system
+    return out
+
+
 def cpu_seconds(procs: list[psutil.Process], *, children: bool = False) -> float:
     """user + system seconds of these processes (and, optionally, their live descendants)."""
     total = 0.0

@@ -178,6 +178,7 @@ def measure_throughput(
             "aux": _procs.cpu_seconds(aux),
             "busy": busy_seconds(),
             "at": time.monotonic(),
+            "by_process": _procs.cpu_by_process(path.procs),
         }
         if name == "begin":
             marks["foreign"] = _procs.foreign_snapshot()
@@ -214,6 +215,10 @@ def measure_throughput(
         "foreign": marks["foreign_s"],
     }
     point["cpu_per_1k"] = {"path_s": path_s / thousands, "stub_s": stub_s / thousands}
+    point["cpu_per_1k"]["by_process"] = {
+        name: (end["by_process"][name] - begin["by_process"].get(name, 0.0)) / thousands
+        for name in end["by_process"]
+    }
     if path.name == "mirbad":
         point["cpu_per_1k"]["aux_s"] = point["cpu_s"]["aux"] / thousands
     wall = max(end["at"] - begin["at"], 1e-9)
