@@ -174,7 +174,7 @@ def cpu_by_process(procs: list[psutil.Process]) -> dict[str, float]:
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
             cmd = proc.cmdline()
-            name = next((a for a in cmd[1:] if not a.startswith("-")), proc.name())
+            name = Path(next((a for a in cmd[1:] if not a.startswith("-")), proc.name())).name
             if "uvicorn" in cmd or any("asgi" in a for a in cmd):
                 name = "web"
             elif "agent" in cmd:
