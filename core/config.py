@@ -62,6 +62,12 @@ class MasterConfig:
     http_head_timeout_seconds: float = HttpLimits.head_timeout_seconds
     http_body_idle_timeout_seconds: float = HttpLimits.body_idle_timeout_seconds
     http_max_connections: int = HttpLimits.max_connections
+    # Certificate lifetimes (docs/operator-guide.md, "Certificates"): the nodes' (signed
+    # at enrollment) and the master's own client and enroll certificates, re-issued at
+    # half life by every running process that checks them every pki_check_seconds.
+    node_cert_seconds: int = 90 * 86400
+    master_cert_seconds: int = 30 * 86400
+    pki_check_seconds: float = 60.0
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -196,6 +202,14 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             maximum=1_000_000,
             env=env,
         ),
+        # Seconds, not days, so a test can run through several lifetimes in a minute.
+        node_cert_seconds=env_int(
+            "MIRBAD_NODE_CERT_SECONDS", 90 * 86400, minimum=60, maximum=825 * 86400, env=env
+        ),
+        master_cert_seconds=env_int(
+            "MIRBAD_MASTER_CERT_SECONDS", 30 * 86400, minimum=10, maximum=825 * 86400, env=env
+        ),
+        pki_check_seconds=env_float("MIRBAD_PKI_CHECK_SECONDS", 60.0, minimum=0.1, env=env),
     )
 
 

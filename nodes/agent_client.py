@@ -25,7 +25,7 @@ from django.conf import settings
 from core.errors import ServiceError
 from nodes import fencing
 from nodes.models import Node
-from nodes.services import node_ssl_context
+from nodes.services import master_pki, node_ssl_context
 from protocol.names import NameRefused, check_folder_name
 
 
@@ -203,18 +203,35 @@ class AsyncAgentClient:
 
     def __init__(self, *, node: Node, timeout: float = 10.0) -> None:
         self.node = node
-        self._client = httpx.AsyncClient(
-            base_url=_base(node),
-            verify=node_ssl_context(node),
-            timeout=timeout,
+        self._timeout = timeout
+        self._serial = master_pki().client.serial
+        self._client = self._new_client()
+        self._retired: list[httpx.AsyncClient] = []
+
+    def _new_client(self) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=_base(self.node), verify=node_ssl_context(self.node), timeout=self._timeout
         )
 
+    def _current(self) -> httpx.AsyncClient:
+        """The client on the master's current certificate (D53): a monitor runs for longer
+        than the certificate it started with lives. The one it replaces stays open for
+        what it carries (the event stream) until :meth:`aclose`."""
+        serial = master_pki().client.serial
+        if serial != self._serial:
+            self._serial = serial
+            self._retired.append(self._client)
+            self._client = self._new_client()
+        return self._client
+
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in (*self._retired, self._client):
+            await client.aclose()
+        self._retired.clear()
 
     async def _request(self, method: str, path: str, **kwargs: Any) -> Any:
         try:
-            response = await self._client.request(method, path, **kwargs)
+            response = await self._current().request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
         return _check(response)
@@ -232,7 +249,7 @@ class AsyncAgentClient:
         """Yield ``(event, data)`` from the SSE stream until it ends or goes silent."""
         timeout = httpx.Timeout(10.0, read=read_timeout)
         try:
-            async with self._client.stream("GET", "/events", timeout=timeout) as response:
+            async with self._current().stream("GET", "/events", timeout=timeout) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     _check(response)

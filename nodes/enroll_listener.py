@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
 import signal
@@ -74,14 +75,54 @@ def build_app() -> web.Application:
     return app
 
 
-def server_context() -> ssl.SSLContext:
-    cfg = services.config()
-    mp = services.master_pki()
-    cert, key = pki.ensure_enroll_certificate(mp.ca, cfg.enroll_addresses)
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(str(cert), str(key))
-    return context
+class EnrollTls:
+    """The listener's TLS context and the certificate it holds, kept current (D53).
+
+    ``refresh`` re-issues the enroll certificate at half life and loads the new one
+    into the same context: OpenSSL copies a context's certificate into each
+    connection when it starts, so new handshakes present the new certificate and
+    those under way keep theirs. It runs on the listener's loop, where the
+    connections' TLS objects are made.
+    """
+
+    def __init__(self) -> None:
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self.serial: int | None = None
+        self.refresh()
+
+    @staticmethod
+    def _leaf() -> pki.LeafCertificate:
+        cfg = services.config()
+        return pki.ensure_enroll_certificate(
+            services.master_pki().ca,
+            cfg.enroll_addresses,
+            lifetime=dt.timedelta(seconds=cfg.master_cert_seconds),
+        )
+
+    def refresh(self, leaf: pki.LeafCertificate | None = None) -> bool:
+        """Load the current certificate when it changed; True when it did."""
+        leaf = leaf or self._leaf()
+        if leaf.serial == self.serial:
+            return False
+        self.context.load_cert_chain(str(leaf.path))
+        if self.serial is not None:
+            log.info("The enroll certificate is now %x (valid until %s)", leaf.serial,
+                     leaf.not_after.isoformat())  # fmt: skip
+        self.serial = leaf.serial
+        return True
+
+    async def keep_current(self, every: float, stop: asyncio.Event) -> None:
+        """Check every ``every`` seconds until ``stop``; a failed check is retried."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every)
+                return
+            try:
+                # The check may write files and make a key: off the loop. The load is on it.
+                self.refresh(await asyncio.to_thread(self._leaf))
+            except Exception:
+                log.exception("Checking the enroll certificate failed; next try in %g s", every)
 
 
 async def serve(
@@ -92,10 +133,12 @@ async def serve(
     *,
     started: asyncio.Future[int] | None = None,
     stop: asyncio.Event | None = None,
+    tls: EnrollTls | None = None,
 ) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None).
 
-    ``started`` gets the bound port (the one picked when ``port`` is 0).
+    ``started`` gets the bound port (the one picked when ``port`` is 0). With ``tls``
+    (whose ``context`` is ``context``) the certificate is kept current while it serves.
     """
     loop = asyncio.get_running_loop()
     if stop is None:
@@ -120,11 +163,17 @@ async def serve(
         backlog=128,
         reuse_address=True,
     )
+    keeper = None
+    if tls is not None:
+        every = services.config().pki_check_seconds
+        keeper = asyncio.create_task(tls.keep_current(every, stop))
     try:
         if started is not None:
             started.set_result(int(server.sockets[0].getsockname()[1]))
         await stop.wait()
     finally:
+        if keeper is not None:
+            keeper.cancel()
         server.close()
         with contextlib.suppress(Exception):
             await runner.cleanup()

@@ -11,6 +11,7 @@ hostnames play no part, so a node may move addresses without re-enrolling.
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import hashlib
 import ipaddress
 import os
@@ -29,8 +30,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from protocol.atomic import write_atomic
 from protocol.identity import MASTER_SPIFFE_ID, node_spiffe_id, spki_sha256, uri_sans
 
-NODE_CERT_DAYS = 90
-MASTER_CERT_DAYS = 30
+# The defaults; the running values come from MIRBAD_NODE_CERT_SECONDS and
+# MIRBAD_MASTER_CERT_SECONDS (core/config.py).
+NODE_CERT_LIFETIME = dt.timedelta(days=90)
+MASTER_CERT_LIFETIME = dt.timedelta(days=30)
 CA_YEARS = 10
 
 
@@ -156,17 +159,20 @@ def _issue(
     common_name: str,
     sans: list[x509.GeneralName],
     ekus: list[x509.ObjectIdentifier],
-    days: int,
+    lifetime: dt.timedelta,
 ) -> x509.Certificate:
     now = _now()
+    # Backdated for clocks a little behind ours; by at most a tenth of the lifetime, so
+    # a short one (a test's) is not past its half life, and re-issued, when it is made.
+    backdate = min(dt.timedelta(minutes=5), lifetime / 10)
     return (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca.cert.subject)
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=days))
+        .not_valid_before(now - backdate)
+        .not_valid_after(now + lifetime - backdate)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(_ku_signing(), critical=True)
         .add_extension(x509.ExtendedKeyUsage(ekus), critical=False)
@@ -179,7 +185,11 @@ def _issue(
 
 
 def issue_node_certificate(
-    ca: CertificateAuthority, *, csr_pem: str, node_id: str
+    ca: CertificateAuthority,
+    *,
+    csr_pem: str,
+    node_id: str,
+    lifetime: dt.timedelta = NODE_CERT_LIFETIME,
 ) -> x509.Certificate:
     """Sign a node's CSR. The content is the master's choice, not the CSR's."""
     try:
@@ -197,7 +207,7 @@ def issue_node_certificate(
         common_name=node_id,
         sans=[x509.UniformResourceIdentifier(node_spiffe_id(node_id))],
         ekus=[ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
-        days=NODE_CERT_DAYS,
+        lifetime=lifetime,
     )
 
 
@@ -211,16 +221,37 @@ def _general_names(addresses: Iterable[str]) -> list[x509.GeneralName]:
     return names
 
 
-def _needs_reissue(cert_path: Path, key_path: Path) -> bool:
-    """Master certificates are re-issued at half life (or when missing/unreadable)."""
+@dataclass(frozen=True, kw_only=True)
+class LeafCertificate:
+    """One of the master's own certificates: its key and certificate in one PEM file
+    (``load_cert_chain(path)`` reads both), replaced whole at half life."""
+
+    path: Path
+    serial: int
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+    @property
+    def half_life(self) -> dt.datetime:
+        return self.not_before + (self.not_after - self.not_before) / 2
+
+
+def _read_leaf(path: Path) -> LeafCertificate | None:
+    """The leaf in ``path``, or None when it is missing, unreadable or has no key."""
     try:
-        cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+        data = path.read_bytes()
+        cert = x509.load_pem_x509_certificate(data)
+        key = serialization.load_pem_private_key(data, password=None)
     except (OSError, ValueError):
-        return True
-    if not key_path.exists():
-        return True
-    lifetime = cert.not_valid_after_utc - cert.not_valid_before_utc
-    return _now() >= cert.not_valid_before_utc + lifetime / 2
+        return None
+    if key.public_key() != cert.public_key():
+        return None
+    return LeafCertificate(
+        path=path,
+        serial=cert.serial_number,
+        not_before=cert.not_valid_before_utc,
+        not_after=cert.not_valid_after_utc,
+    )
 
 
 def _ensure_leaf(
@@ -230,10 +261,26 @@ def _ensure_leaf(
     common_name: str,
     sans: list[x509.GeneralName],
     ekus: list[x509.ObjectIdentifier],
-) -> tuple[Path, Path]:
+    lifetime: dt.timedelta,
+) -> LeafCertificate:
+    """The leaf ``<pki>/<name>.pem``, re-issued when it is missing or past half life.
+
+    Every master process calls this (web, monitor, Celery, the enroll listener, each
+    every MIRBAD_PKI_CHECK_SECONDS): an exclusive lock on ``<name>.lock`` makes one of
+    them re-issue and the others read its result. Key and certificate are one file
+    written atomically, so no reader ever loads a key beside another key's certificate.
+    """
     pki_dir = ca.cert_path.parent
-    cert_path, key_path = pki_dir / f"{name}.crt", pki_dir / f"{name}.key"
-    if _needs_reissue(cert_path, key_path):
+    path = pki_dir / f"{name}.pem"
+    leaf = _read_leaf(path)
+    if leaf is not None and _now() < leaf.half_life:
+        return leaf
+    _ensure_private_dir(pki_dir)
+    with open(pki_dir / f"{name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        leaf = _read_leaf(path)  # another process may have re-issued it meanwhile
+        if leaf is not None and _now() < leaf.half_life:
+            return leaf
         key = ec.generate_private_key(ec.SECP256R1())
         cert = _issue(
             ca,
@@ -241,16 +288,22 @@ def _ensure_leaf(
             common_name=common_name,
             sans=sans,
             ekus=ekus,
-            days=MASTER_CERT_DAYS,
+            lifetime=lifetime,
         )
-        # Chain file: leaf then CA, so a TLS peer gets the issuer too.
-        chain = cert.public_bytes(serialization.Encoding.PEM)
-        write_atomic(key_path, _key_pem(key), mode=0o600, parents=True)
-        write_atomic(cert_path, chain, mode=0o600, parents=True)
-    return cert_path, key_path
+        write_atomic(
+            path, _key_pem(key) + cert.public_bytes(serialization.Encoding.PEM), mode=0o600
+        )
+        # The two files of earlier releases: nothing reads them any more.
+        for old in (pki_dir / f"{name}.crt", pki_dir / f"{name}.key"):
+            old.unlink(missing_ok=True)
+        fresh = _read_leaf(path)
+        assert fresh is not None  # just written
+        return fresh
 
 
-def ensure_master_client_certificate(ca: CertificateAuthority) -> tuple[Path, Path]:
+def ensure_master_client_certificate(
+    ca: CertificateAuthority, *, lifetime: dt.timedelta = MASTER_CERT_LIFETIME
+) -> LeafCertificate:
     """The certificate the master presents to agents (SAN ``spiffe://mirbadllm/master``)."""
     return _ensure_leaf(
         ca,
@@ -258,12 +311,16 @@ def ensure_master_client_certificate(ca: CertificateAuthority) -> tuple[Path, Pa
         common_name="mirbadllm-master",
         sans=[x509.UniformResourceIdentifier(MASTER_SPIFFE_ID)],
         ekus=[ExtendedKeyUsageOID.CLIENT_AUTH],
+        lifetime=lifetime,
     )
 
 
 def ensure_enroll_certificate(
-    ca: CertificateAuthority, addresses: Iterable[str]
-) -> tuple[Path, Path]:
+    ca: CertificateAuthority,
+    addresses: Iterable[str],
+    *,
+    lifetime: dt.timedelta = MASTER_CERT_LIFETIME,
+) -> LeafCertificate:
     """The enroll listener's server certificate; agents check it against the CA hash."""
     return _ensure_leaf(
         ca,
@@ -271,6 +328,7 @@ def ensure_enroll_certificate(
         common_name="mirbadllm-enroll",
         sans=_general_names(addresses),
         ekus=[ExtendedKeyUsageOID.SERVER_AUTH],
+        lifetime=lifetime,
     )
 
 
@@ -363,8 +421,7 @@ def agent_client_context(
     *,
     ca: x509.Certificate,
     ca_path: Path,
-    client_cert: Path,
-    client_key: Path,
+    client_chain: Path,
     node_id: str,
     pins: Iterable[str],
 ) -> ssl.SSLContext:
@@ -375,7 +432,7 @@ def agent_client_context(
     context.check_hostname = False  # replaced by the SAN + pin check below
     context.verify_mode = ssl.CERT_REQUIRED
     context.load_verify_locations(cafile=str(ca_path))
-    context.load_cert_chain(str(client_cert), str(client_key))
+    context.load_cert_chain(str(client_chain))  # key and certificate, one file
     obj_cls, sock_cls = _pinned_ssl_classes(
         lambda der: verify_node_certificate(der, ca_cert=ca, node_id=node_id, pins=pin_list)
     )

@@ -10,6 +10,8 @@ import datetime as dt
 import json
 import logging
 import ssl
+import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -46,21 +48,46 @@ def config() -> MasterConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class MasterPki:
+    """The CA and the master's client certificate as this process last checked them."""
+
     ca: pki.CertificateAuthority
-    client_cert: Path
-    client_key: Path
+    client: pki.LeafCertificate
+
+
+_pki_lock = threading.Lock()
+_pki_state: dict[str, tuple[float, MasterPki]] = {}  # pki dir -> (next check, what it found)
 
 
 def master_pki() -> MasterPki:
-    """The CA and the master's client certificate, created on first use."""
-    return _master_pki_cached(str(config().pki_dir))
+    """The CA and the master's client certificate, created on first use.
 
-
-@lru_cache(maxsize=4)
-def _master_pki_cached(pki_dir: str) -> MasterPki:
-    ca = pki.load_or_create_ca(Path(pki_dir))
-    cert, key = pki.ensure_master_client_certificate(ca)
-    return MasterPki(ca=ca, client_cert=cert, client_key=key)
+    Checked again every MIRBAD_PKI_CHECK_SECONDS and re-issued at half life
+    (``pki.ensure_master_client_certificate``), so a process that runs for years
+    never presents an expired certificate (docs/decisions.md D53). Between checks it
+    costs a clock read.
+    """
+    cfg = config()
+    key = str(cfg.pki_dir)
+    now = time.monotonic()
+    cached = _pki_state.get(key)
+    if cached is not None and now < cached[0]:
+        return cached[1]
+    with _pki_lock:
+        cached = _pki_state.get(key)
+        if cached is not None and now < cached[0]:
+            return cached[1]
+        ca = cached[1].ca if cached is not None else pki.load_or_create_ca(cfg.pki_dir)
+        client = pki.ensure_master_client_certificate(
+            ca, lifetime=dt.timedelta(seconds=cfg.master_cert_seconds)
+        )
+        if cached is not None and cached[1].client.serial != client.serial:
+            log.info(
+                "The master's client certificate is now %x (valid until %s)",
+                client.serial, client.not_after.isoformat(),
+            )  # fmt: skip
+        found = MasterPki(ca=ca, client=client)
+        _pki_state[key] = (now + cfg.pki_check_seconds, found)
+        return found
 
 
 def ensure_bootstrap_node() -> Node:
@@ -222,7 +249,12 @@ def enroll(
                     409,
                 )
         try:
-            cert = pki.issue_node_certificate(mp.ca, csr_pem=csr_pem, node_id=node_id)
+            cert = pki.issue_node_certificate(
+                mp.ca,
+                csr_pem=csr_pem,
+                node_id=node_id,
+                lifetime=dt.timedelta(seconds=config().node_cert_seconds),
+            )
         except pki.PkiError as exc:
             raise _refuse("invalid_request", str(exc), 400) from None
         if node is None:
@@ -256,26 +288,24 @@ def enroll(
 
 
 def node_ssl_context(node: Node) -> ssl.SSLContext:
-    """The pinned TLS context for dialing ``node`` (cached per pin set)."""
+    """The pinned TLS context for dialing ``node``: one per pin set and client
+    certificate, so a re-issued certificate goes out on new connections."""
     mp = master_pki()
     return _context_cached(
-        str(mp.ca.cert_path), str(mp.client_cert), str(mp.client_key), node.node_id,
+        str(mp.ca.cert_path), str(mp.client.path), mp.client.serial, node.node_id,
         tuple(node.pins),
     )  # fmt: skip
 
 
 @lru_cache(maxsize=1024)
 def _context_cached(
-    ca_path: str, cert: str, key: str, node_id: str, pins: tuple[str, ...]
+    ca_path: str, chain: str, serial: int, node_id: str, pins: tuple[str, ...]
 ) -> ssl.SSLContext:
+    # ``serial`` is only the key: the file at ``chain`` holds that certificate until
+    # its half life, and a context loads it once, here.
     ca = x509.load_pem_x509_certificate(Path(ca_path).read_bytes())
     return pki.agent_client_context(
-        ca=ca,
-        ca_path=Path(ca_path),
-        client_cert=Path(cert),
-        client_key=Path(key),
-        node_id=node_id,
-        pins=pins,
+        ca=ca, ca_path=Path(ca_path), client_chain=Path(chain), node_id=node_id, pins=pins
     )
 
 

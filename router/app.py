@@ -26,7 +26,7 @@ from django.conf import settings
 from core.jsoninput import JSON_ERRORS, is_text, why_not_json
 from core.throttle import key_failures, key_prefix
 from nodes import status_cache
-from nodes.services import node_ssl_context
+from nodes.services import master_pki, node_ssl_context
 from protocol.errors import (
     ERROR_HEADER,
     AgentCode,
@@ -100,6 +100,8 @@ class RouterApp:
         self._pool: WirePool | None = None
         self.listener = Listener(apply=self.apply)
         self._contexts: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._client_serial: int | None = None  # the master certificate of _contexts
+        self._pki_check_at = 0.0
         self._targets: dict[tuple[str, str], str] = {}
         self._hosts: dict[str, tuple[str, int]] = {}
         self.meter = UsageMeter()
@@ -140,8 +142,29 @@ class RouterApp:
             self._limiters = {loop_id: limiter}
         return limiter
 
+    async def _follow_master_certificate(self) -> None:
+        """Every MIRBAD_PKI_CHECK_SECONDS: when the master's client certificate was
+        re-issued (D53), every context goes, and with it the pooled connections made
+        under the old certificate once their answers end. Between checks: a clock read."""
+        now = time.monotonic()
+        if now < self._pki_check_at:
+            return
+        self._pki_check_at = now + settings.MIRBAD.pki_check_seconds
+        serial = (await sync_to_async(master_pki, thread_sensitive=False)()).client.serial
+        if serial == self._client_serial:
+            return
+        if self._client_serial is not None:
+            retired = 0
+            for context in self._contexts.values():
+                if self._pool is not None:
+                    retired += self._pool.retire(context)
+            self._contexts.clear()
+            log.info("The master's client certificate changed: %d connection(s) retired", retired)
+        self._client_serial = serial
+
     async def _ssl_context(self, node: Any) -> Any:
         """The node's pinned TLS context, built once per identity (a thread hop otherwise)."""
+        await self._follow_master_certificate()
         cache_key = (node.pk, tuple(node.pins))
         context = self._contexts.get(cache_key)
         if context is None:

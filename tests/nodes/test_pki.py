@@ -96,16 +96,69 @@ def test_node_certificate_content(ca: pki.CertificateAuthority) -> None:
 
 
 def test_master_client_certificate(ca: pki.CertificateAuthority) -> None:
-    cert_path, key_path = pki.ensure_master_client_certificate(ca)
-    cert = x509.load_pem_x509_certificate(cert_path.read_bytes())
+    leaf = pki.ensure_master_client_certificate(ca)
+    data = leaf.path.read_bytes()
+    cert = x509.load_pem_x509_certificate(data)
+    key = serialization.load_pem_private_key(data, password=None)  # key and cert, one file
+    assert key.public_key() == cert.public_key()
     sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     assert sans.get_values_for_type(x509.UniformResourceIdentifier) == [MASTER_SPIFFE_ID]
     ekus = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(ekus) == [ExtendedKeyUsageOID.CLIENT_AUTH]
-    assert stat.S_IMODE(key_path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(leaf.path.stat().st_mode) == 0o600
     # Not at half life yet: the same certificate comes back.
-    again, _ = pki.ensure_master_client_certificate(ca)
-    assert again.read_bytes() == cert_path.read_bytes()
+    again = pki.ensure_master_client_certificate(ca)
+    assert again.serial == leaf.serial and again.path.read_bytes() == data
+
+
+def test_master_certificates_are_reissued_at_half_life(
+    ca: pki.CertificateAuthority, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lifetime = dt.timedelta(seconds=60)
+    first = pki.ensure_master_client_certificate(ca, lifetime=lifetime)
+    # A short lifetime is not past its half life when it is made (the backdate is a
+    # tenth of it), so it is not re-issued at once, again and again.
+    assert pki.ensure_master_client_certificate(ca, lifetime=lifetime).serial == first.serial
+    assert first.not_after - first.not_before == lifetime
+    now = pki._now()
+    monkeypatch.setattr(pki, "_now", lambda: now + dt.timedelta(seconds=31))
+    second = pki.ensure_master_client_certificate(ca, lifetime=lifetime)
+    assert second.serial != first.serial
+    assert second.not_after > first.not_after
+    enroll = pki.ensure_enroll_certificate(ca, ["127.0.0.1"], lifetime=lifetime)
+    assert enroll.path != second.path
+
+
+def test_racing_reissues_leave_one_matching_key_and_certificate(
+    ca: pki.CertificateAuthority,
+) -> None:
+    """Every master process re-issues at half life: the lock makes one of them do it."""
+    leaves: list[pki.LeafCertificate] = []
+    barrier = threading.Barrier(8)
+
+    def reissue() -> None:
+        barrier.wait()
+        leaves.append(pki.ensure_master_client_certificate(ca))
+
+    threads = [threading.Thread(target=reissue) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len({leaf.serial for leaf in leaves}) == 1
+    data = leaves[0].path.read_bytes()
+    key = serialization.load_pem_private_key(data, password=None)
+    assert key.public_key() == x509.load_pem_x509_certificate(data).public_key()
+
+
+def test_the_two_files_of_earlier_releases_are_replaced(ca: pki.CertificateAuthority) -> None:
+    folder = ca.cert_path.parent
+    (folder / "master-client.crt").write_text("old")
+    (folder / "master-client.key").write_text("old")
+    leaf = pki.ensure_master_client_certificate(ca)
+    assert leaf.path == folder / "master-client.pem"
+    assert not (folder / "master-client.crt").exists()
+    assert not (folder / "master-client.key").exists()
 
 
 def test_csr_with_wrong_key_type_is_refused(ca: pki.CertificateAuthority) -> None:
@@ -213,12 +266,11 @@ def _serve_once(cert: x509.Certificate, key: ec.EllipticCurvePrivateKey, tmp: Pa
 
 
 def _client_context(ca: pki.CertificateAuthority, node_id: str, pins: list[str]) -> ssl.SSLContext:
-    cert_path, key_path = pki.ensure_master_client_certificate(ca)
+    leaf = pki.ensure_master_client_certificate(ca)
     return pki.agent_client_context(
         ca=ca.cert,
         ca_path=ca.cert_path,
-        client_cert=cert_path,
-        client_key=key_path,
+        client_chain=leaf.path,
         node_id=node_id,
         pins=pins,
     )

@@ -8,7 +8,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand
 
-from nodes.enroll_listener import serve, server_context
+from nodes.enroll_listener import EnrollTls, serve
 
 
 class Command(BaseCommand):
@@ -16,4 +16,5 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         cfg = settings.MIRBAD
-        asyncio.run(serve(cfg.bind, cfg.enroll_port, server_context(), cfg.http_limits))
+        tls = EnrollTls()
+        asyncio.run(serve(cfg.bind, cfg.enroll_port, tls.context, cfg.http_limits, tls=tls))
