@@ -21,6 +21,9 @@ One tree, so callers can catch as broadly or narrowly as they need::
         |   +-- InsufficientDisk    409 insufficient_disk (the selection does not fit)
         |   +-- NotFetched          409 not_fetched (no manifest: the operator's folder)
         |   +-- FolderInUse         409 folder_in_use (an instance runs from the folder)
+        |   +-- InvalidState        409 invalid_state (e.g. a second open rotation)
+        |   +-- AlreadyCommitted    409 already_committed (abort of a committed rotation)
+        |   +-- NotOnPendingCertificate  409 not_on_pending_certificate (commit elsewhere)
         +-- SpecRejected            422 spec_rejected
         +-- ExecutableUnverified    422 executable_unverified
         +-- NothingToDownload       422 nothing_to_download
@@ -158,6 +161,18 @@ class MethodNotAllowed(ApiError):
 class Conflict(ApiError):
     code = AgentCode.CONFLICT
     status = 409
+
+
+class InvalidState(Conflict):
+    code = AgentCode.INVALID_STATE
+
+
+class AlreadyCommitted(Conflict):
+    code = AgentCode.ALREADY_COMMITTED
+
+
+class NotOnPendingCertificate(Conflict):
+    code = AgentCode.NOT_ON_PENDING_CERTIFICATE
 
 
 class SpecRejected(ApiError):

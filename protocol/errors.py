@@ -62,6 +62,9 @@ class AgentCode(StrEnum):
     SERVER_BUSY = "server_busy"
     STATE_UNAVAILABLE = "state_unavailable"
     GGUF_INVALID = "gguf_invalid"
+    INVALID_STATE = "invalid_state"
+    ALREADY_COMMITTED = "already_committed"
+    NOT_ON_PENDING_CERTIFICATE = "not_on_pending_certificate"
 
 
 class WireError(Exception):

@@ -13,10 +13,12 @@ import hashlib
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKeyTypes
 
 __all__ = [
     "MASTER_SPIFFE_ID",
     "NODE_SPIFFE_PREFIX",
+    "key_spki_sha256",
     "load_certificate",
     "node_spiffe_id",
     "spki_sha256",
@@ -43,7 +45,12 @@ def spki_sha256(cert: x509.Certificate | bytes) -> str:
     """Base64 (standard) of SHA-256 over the DER SubjectPublicKeyInfo: the pin format."""
     if isinstance(cert, bytes):
         cert = load_certificate(cert)
-    spki = cert.public_key().public_bytes(
+    return key_spki_sha256(cert.public_key())
+
+
+def key_spki_sha256(key: CertificatePublicKeyTypes) -> str:
+    """The pin of a public key (the SPKI of any certificate for it)."""
+    spki = key.public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return base64.b64encode(hashlib.sha256(spki).digest()).decode("ascii")

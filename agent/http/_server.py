@@ -35,9 +35,18 @@ from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
 from agent.engines import Catalogue, ProcessRuntime, check_folder_name, resolve_model_path
 from agent.http._front import FrontListener
+from agent.http._json import read_json
+from agent.http._pki import RotationRoutes
 from agent.http._proxy import Proxy, Upstream, engine_slots
 from agent.http._refusals import RefusalLog
-from agent.identity import Identity, check_master_client_cert, handshake_refusal, server_ssl_context
+from agent.identity import (
+    Identity,
+    RotationStore,
+    check_master_client_cert,
+    handshake_refusal,
+    load_identity,
+    server_ssl_context,
+)
 from agent.state import OPERATION_HEADER, EventBus, Fencing, OperationLog, describe_request
 from agent.telemetry import (
     HealthMonitor,
@@ -67,6 +76,7 @@ FEATURES = [
     "instances.measured",
     "downloads.hf-native",
     "weights.inventory",
+    "pki.rotation",
 ]
 
 
@@ -159,6 +169,11 @@ class AgentServer:
         self._facts = host_facts()
         self.fencing = Fencing(state_dir=config.state_directory)
         self.oplog = OperationLog(state_dir=config.state_directory)
+        self.rotations = RotationRoutes(
+            store=RotationStore(state_dir=config.state_directory, node_id=config.node_id),
+            identity=lambda: self.identity,
+            reload_identity=self._reload_identity,
+        )
         self.weights = Weights(models_root=config.models_root_path, in_use=self._folder_in_use)
         self.downloads = DownloadManager(
             models_root=config.models_root_path,
@@ -241,7 +256,14 @@ class AgentServer:
         log.info("Agent stopped")
 
     def ssl_context(self) -> ssl.SSLContext:
-        return server_ssl_context(self.identity)
+        context = server_ssl_context(self.identity)
+        self.rotations.attach(context)
+        return context
+
+    def _reload_identity(self) -> Identity:
+        """After a rotation's commit: the promoted key and certificate."""
+        self.identity = load_identity(self.config.state_directory, node_id=self.config.node_id)
+        return self.identity
 
     def _upstream(self, instance_id: str) -> Upstream:
         inst = self.runtime.upstream(instance_id)
@@ -280,6 +302,7 @@ class AgentServer:
         r.add_delete("/agent/v1/downloads/{folder}", self.handle_download_cancel)
         r.add_get("/agent/v1/model-folders", self.handle_model_folders)
         r.add_delete("/agent/v1/model-folders/{folder}", self.handle_model_folder_reclaim)
+        self.rotations.register(r)
         r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
         r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
         return app
@@ -458,7 +481,7 @@ class AgentServer:
         return web.json_response({"downloads": self.downloads.list()})
 
     async def handle_download_start(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await read_json(request)
         download = await _complete(self.downloads.create(body))
         return web.json_response(download, status=202)
 
@@ -496,6 +519,11 @@ class AgentServer:
                     state_directory=self.config.state_directory,
                 ),
                 "spkiSha256": self.identity.spki_sha256,
+                "certificate": {
+                    "serial": format(self.identity.cert.serial_number, "x"),
+                    "notAfter": self.identity.cert.not_valid_after_utc.isoformat(),
+                },
+                "rotation": self.rotations.summary(),
                 "fencing": self.fencing.to_json(),
                 "executables": [i.to_json() for i in self.catalogue.infos],
                 "features": FEATURES,
@@ -521,7 +549,7 @@ class AgentServer:
         return web.json_response({"instances": self.runtime.list()})
 
     async def handle_launch(self, request: web.Request) -> web.Response:
-        body = await _read_json(request)
+        body = await read_json(request)
         instance = await _complete(self.runtime.launch(body))
         return web.json_response(instance, status=202)
 
@@ -584,10 +612,3 @@ def _consume_result(task: asyncio.Task[Any]) -> None:
 
 def _sse(seq: int, event_type: str, data: dict[str, Any]) -> bytes:
     return f"id: {seq}\nevent: {event_type}\ndata: {json.dumps(data)}\n\n".encode()
-
-
-async def _read_json(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"the body is not valid JSON: {exc}") from None

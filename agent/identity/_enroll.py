@@ -41,6 +41,7 @@ from agent._errors import (
     UntrustedEnrollEndpoint,
 )
 from agent._version import PROTOCOL_VERSIONS, __version__
+from agent.identity._rotation import RotationStore, drop_rotation_state
 from agent.identity._tls import (
     Identity,
     generate_key_and_csr,
@@ -270,7 +271,15 @@ def bootstrap_enroll(
     poll_interval: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> Identity:
-    """Load the identity, enrolling from the bootstrap bundle first if there is none."""
+    """Load the identity, enrolling from the bootstrap bundle first if there is none.
+
+    A rotation a restart cut short is brought in line with its stage first (a torn
+    promotion would otherwise be a key beside another key's certificate).
+    """
+    if config.state_directory.is_dir():
+        done = RotationStore(state_dir=config.state_directory, node_id=config.node_id).recover()
+        if done:
+            log.info("Certificate rotation after the restart: %s", done)
     if has_identity(config.state_directory):
         return load_identity(config.state_directory, node_id=config.node_id)
     if config.bootstrap_directory is None:
@@ -344,6 +353,9 @@ def join(
         raise EnrollmentError(
             f"{state_dir} already holds an agent identity; pass --force to replace it."
         )
+    if force:
+        # A new identity: the old one's rotation (and its pending key) means nothing now.
+        drop_rotation_state(state_dir)
     deadline = time.monotonic() + retry_seconds
     while True:
         try:

@@ -38,6 +38,7 @@ __all__ = [
     "CERT_FILE",
     "KEY_FILE",
     "Identity",
+    "ServerContext",
     "check_master_client_cert",
     "ensure_state_directory",
     "generate_key_and_csr",
@@ -45,6 +46,7 @@ __all__ = [
     "has_identity",
     "load_identity",
     "node_id_from_cert",
+    "presented_spki",
     "server_ssl_context",
     "store_identity",
     "validate_issued_cert",
@@ -218,9 +220,21 @@ class _AlertingSSLObject(ssl.SSLObject):
     """
 
     handshake_error: ssl.SSLError | None = None
+    # The pin of the certificate this connection presents (the context's when the
+    # connection began: OpenSSL copies it then), for the rotation's commit check.
+    presented_spki: str | None = None
     # ssl.SSLObject's C-level _ssl._SSLSocket, set by its constructor; typeshed leaves
     # it undeclared (a private attribute), and read below calls it directly.
     _sslobj: Any
+
+    # SSLContext.wrap_bio makes every connection's object through this (ssl.py's own
+    # factory, since 3.7; asyncio's and uvloop's TLS protocols call wrap_bio).
+    @classmethod
+    def _create(cls, *args: Any, **kwargs: Any) -> Any:
+        obj = super()._create(*args, **kwargs)  # type: ignore[misc]  # private in typeshed
+        context = kwargs.get("context")
+        obj.presented_spki = context.presented_spki if isinstance(context, ServerContext) else None
+        return obj
 
     def do_handshake(self) -> None:
         if self.handshake_error is not None:
@@ -273,20 +287,41 @@ def handshake_refusal(ssl_object: object) -> str | None:
     return f"{reason}: {verify_message}" if verify_message else reason
 
 
-def server_ssl_context(identity: Identity) -> ssl.SSLContext:
+class ServerContext(ssl.SSLContext):
+    """The listener's context, which knows the pin of the certificate it presents."""
+
+    presented_spki: str | None = None
+
+    def present(self, *, cert_path: Path, key_path: Path, spki: str) -> None:
+        """Present this certificate to new connections; open ones keep theirs.
+
+        OpenSSL copies a context's certificate into each connection when it starts, so
+        loading another here changes only the handshakes that follow. Called from the
+        listener's loop, where the connections' TLS objects are made.
+        """
+        self.load_cert_chain(str(cert_path), str(key_path))
+        self.presented_spki = spki
+
+
+def server_ssl_context(identity: Identity) -> ServerContext:
     """The listener's context: our cert, client certificates required, CA from ca.crt.
 
     A client certificate that does not chain to the CA fails the handshake with an
     alert (``unknown ca``; ``certificate required`` when none is sent), which the
     listener logs and then closes (:class:`_AlertingSSLObject`).
     """
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(str(identity.cert_path), str(identity.key_path))
+    ctx.present(cert_path=identity.cert_path, key_path=identity.key_path, spki=identity.spki_sha256)
     ctx.load_verify_locations(cafile=str(identity.ca_path))
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.sslobject_class = _AlertingSSLObject
     return ctx
+
+
+def presented_spki(ssl_object: object) -> str | None:
+    """The pin of the certificate a listener connection presented (None if unknown)."""
+    return getattr(ssl_object, "presented_spki", None)
 
 
 def check_master_client_cert(der: bytes | None) -> None:
