@@ -68,6 +68,14 @@ class MasterConfig:
     node_cert_seconds: int = 90 * 86400
     master_cert_seconds: int = 30 * 86400
     pki_check_seconds: float = 60.0
+    # Node certificate renewal (nodes/rotation.py): due this long before expiry, spread
+    # over a jitter window; the router and the monitor get the pending pin this long
+    # before the agent presents it; Celery beat looks for due and open rotations this
+    # often.
+    cert_renew_before_seconds: int = 30 * 86400
+    cert_renew_jitter_seconds: int = 6 * 3600
+    rotation_pin_grace_seconds: float = 12.0
+    cert_check_seconds: float = 3600.0
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -143,7 +151,7 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
         raise SettingError(f"MIRBAD_LOG_LEVEL: {level!r}; use DEBUG, INFO, WARNING or ERROR.")
     assert database_url is not None and agent_address is not None and enroll_endpoint is not None
-    return MasterConfig(
+    config = MasterConfig(
         data_path=data_path,
         bind=bind,
         port=port,
@@ -210,7 +218,24 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             "MIRBAD_MASTER_CERT_SECONDS", 30 * 86400, minimum=10, maximum=825 * 86400, env=env
         ),
         pki_check_seconds=env_float("MIRBAD_PKI_CHECK_SECONDS", 60.0, minimum=0.1, env=env),
+        cert_renew_before_seconds=env_int(
+            "MIRBAD_CERT_RENEW_BEFORE_SECONDS", 30 * 86400, minimum=10, env=env
+        ),
+        cert_renew_jitter_seconds=env_int(
+            "MIRBAD_CERT_RENEW_JITTER_SECONDS", 6 * 3600, minimum=0, env=env
+        ),
+        rotation_pin_grace_seconds=env_float(
+            "MIRBAD_ROTATION_PIN_GRACE_SECONDS", 12.0, minimum=0.0, env=env
+        ),
+        cert_check_seconds=env_float("MIRBAD_CERT_CHECK_SECONDS", 3600.0, minimum=1.0, env=env),
     )
+    if config.cert_renew_before_seconds >= config.node_cert_seconds:
+        raise SettingError(
+            f"MIRBAD_CERT_RENEW_BEFORE_SECONDS: {config.cert_renew_before_seconds} is not "
+            f"shorter than MIRBAD_NODE_CERT_SECONDS ({config.node_cert_seconds}); a node "
+            "would renew the moment it enrolls."
+        )
+    return config
 
 
 def load_secret_key(data_path: Path, env: Mapping[str, str] | None = None) -> str:

@@ -194,6 +194,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "nodes.tasks.renew_bootstrap_bundle",
         "schedule": 300.0,
     },
+    "check-certificates": {
+        "task": "nodes.tasks.check_certificates",
+        "schedule": MIRBAD.cert_check_seconds,
+    },
 }
 
 LOGGING = {

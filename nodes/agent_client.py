@@ -77,7 +77,7 @@ def path_segment(value: str) -> str:
     return quote(value, safe="")
 
 
-def _base(node: Node) -> str:
+def agent_url(node: Node) -> str:
     return node.address.rstrip("/") + "/agent/v1"
 
 
@@ -91,7 +91,7 @@ def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-def _check(response: httpx.Response) -> Any:
+def check_answer(response: httpx.Response) -> Any:
     if response.status_code >= 400:
         details: dict[str, Any] = {}
         try:
@@ -118,7 +118,7 @@ class AgentClient:
     def __init__(self, *, node: Node, timeout: float = 15.0) -> None:
         self.node = node
         self._client = httpx.Client(
-            base_url=_base(node),
+            base_url=agent_url(node),
             verify=node_ssl_context(node),
             timeout=timeout,
         )
@@ -143,7 +143,7 @@ class AgentClient:
             ) from exc
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
-        return _check(response)
+        return check_answer(response)
 
     def info(self) -> dict[str, Any]:
         return self._request("GET", "/info")
@@ -160,12 +160,39 @@ class AgentClient:
         headers["MirbadLLM-Operation-Id"] = "m-" + uuid.uuid4().hex
         return headers
 
+    def fencing_headers(self) -> dict[str, str]:
+        """The headers of one mutation, for a request sent over another client (the
+        rotation's proof connection)."""
+        return self._fenced()
+
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/instances", json=spec, headers=self._fenced())
 
     def stop(self, instance_id: str) -> dict[str, Any]:
         return self._request(
             "POST", f"/instances/{path_segment(instance_id)}/stop", headers=self._fenced()
+        )
+
+    # A certificate rotation (docs/agent-api.md, "Certificate rotation"): each step is a
+    # fenced mutation with its own operation id; the rotation id makes it idempotent.
+
+    def rotation_start(self, rotation_id: str) -> dict[str, Any]:
+        return self._request(
+            "POST", "/pki/rotations", json={"rotationId": rotation_id}, headers=self._fenced()
+        )
+
+    def rotation(self, rotation_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/pki/rotations/{path_segment(rotation_id)}")
+
+    def rotation_install(self, rotation_id: str, cert_pem: str) -> dict[str, Any]:
+        return self._request(
+            "PUT", f"/pki/rotations/{path_segment(rotation_id)}/cert",
+            json={"certPem": cert_pem}, headers=self._fenced(),
+        )  # fmt: skip
+
+    def rotation_abort(self, rotation_id: str) -> dict[str, Any]:
+        return self._request(
+            "POST", f"/pki/rotations/{path_segment(rotation_id)}/abort", headers=self._fenced()
         )
 
     def gguf(self, folder: str, file: str | None) -> dict[str, Any]:
@@ -210,7 +237,7 @@ class AsyncAgentClient:
 
     def _new_client(self) -> httpx.AsyncClient:
         return httpx.AsyncClient(
-            base_url=_base(self.node), verify=node_ssl_context(self.node), timeout=self._timeout
+            base_url=agent_url(self.node), verify=node_ssl_context(self.node), timeout=self._timeout
         )
 
     def _current(self) -> httpx.AsyncClient:
@@ -234,7 +261,7 @@ class AsyncAgentClient:
             response = await self._current().request(method, path, **kwargs)
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
-        return _check(response)
+        return check_answer(response)
 
     async def info(self) -> dict[str, Any]:
         return await self._request("GET", "/info")
@@ -252,7 +279,7 @@ class AsyncAgentClient:
             async with self._current().stream("GET", "/events", timeout=timeout) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    _check(response)
+                    check_answer(response)
                 event = "message"
                 data_lines: list[str] = []
                 async for line in response.aiter_lines():

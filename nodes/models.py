@@ -107,3 +107,54 @@ class JoinToken(models.Model):
 
     def __str__(self) -> str:
         return f"{self.purpose} token for {self.node_id}"
+
+
+class CertRotation(models.Model):
+    """One two-phase renewal of a node's certificate, driven by the master
+    (nodes/rotation.py; docs/operator-guide.md, "Certificates").
+
+    Each stage is saved before the step it names, so a master that crashes resumes
+    from the stored stage. At most one rotation is open per node (the constraint).
+    """
+
+    class Stage(models.TextChoices):
+        REQUESTED = "Requested"
+        CSR_RECEIVED = "CsrReceived"
+        CERT_ISSUED = "CertIssued"
+        CERT_INSTALLED = "CertInstalled"
+        COMMITTING = "Committing"
+        COMMITTED = "Committed"
+        ABORTED = "Aborted"
+
+    class Reason(models.TextChoices):
+        SCHEDULED = "scheduled"
+        OPERATOR = "operator"
+
+    rotation_id = models.CharField(max_length=44, unique=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="rotations")
+    stage = models.CharField(max_length=16, choices=Stage.choices, default=Stage.REQUESTED)
+    open = models.BooleanField(default=True)
+    reason = models.CharField(max_length=16, choices=Reason.choices)
+    csr_pem = models.TextField(blank=True)
+    pending_spki = models.CharField(max_length=64, blank=True)
+    cert_pem = models.TextField(blank=True)
+    cert_serial = models.CharField(max_length=64, blank=True)
+    cert_not_after = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    last_error = models.CharField(max_length=500, blank=True)
+    # A pass that holds the rotation (Celery runs two at once): others leave it alone.
+    lease_until = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["node"], condition=models.Q(open=True), name="one_open_rotation_per_node"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.rotation_id} of {self.node_id} ({self.stage})"

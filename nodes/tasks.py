@@ -14,3 +14,20 @@ def renew_bootstrap_bundle() -> str | None:
     """Keep the local node's bootstrap bundle valid while it is not enrolled (beat, 5 min)."""
     path = services.write_bootstrap_bundle()
     return str(path) if path else None
+
+
+@shared_task(name="nodes.tasks.drive_rotation", ignore_result=True)
+def drive_rotation(rotation_id: str) -> str:
+    """Take one certificate rotation as far as it goes now (nodes/rotation.advance); what
+    is left (the pin grace, a failed step) the beat's next check_certificates resumes."""
+    from nodes import rotation
+
+    return str(rotation.advance(rotation_id).stage)
+
+
+@shared_task(name="nodes.tasks.check_certificates", ignore_result=True)
+def check_certificates() -> dict[str, int]:
+    """Beat (MIRBAD_CERT_CHECK_SECONDS): due node renewals and open rotations."""
+    from nodes import rotation
+
+    return rotation.check_certificates()

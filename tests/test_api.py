@@ -20,6 +20,7 @@ ENDPOINTS = [
     ("post", "/api/nodes/n1/drain"),
     ("post", "/api/nodes/n1/undrain"),
     ("post", "/api/nodes/n1/rekey"),
+    ("post", "/api/nodes/n1/rotate"),
     ("post", "/api/nodes/n1/maintenance"),
     ("delete", "/api/nodes/n1/maintenance"),
     ("post", "/api/join-tokens"),

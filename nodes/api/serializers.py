@@ -74,6 +74,19 @@ class MaintenanceHoldSerializer(serializers.Serializer):
     reason = serializers.CharField()
 
 
+class RotationSerializer(serializers.Serializer):
+    """A certificate rotation (nodes/rotation.py)."""
+
+    rotationId = serializers.CharField(source="rotation_id")
+    stage = serializers.CharField()
+    open = serializers.BooleanField()
+    reason = serializers.CharField()
+    attempts = serializers.IntegerField()
+    lastError = serializers.CharField(source="last_error")
+    createdAt = IsoDateTime(source="created_at")
+    finishedAt = IsoDateTime(source="finished_at")
+
+
 def _status(serializer: serializers.Serializer, node: Node) -> status_cache.NodeStatus:
     """The node's effective status, from the ``statuses`` the view read (empty if none)."""
     statuses: dict[str, status_cache.NodeStatus | None] = serializer.context.get("statuses") or {}
@@ -111,6 +124,7 @@ class NodeSerializer(serializers.Serializer):
     gpuReserves = serializers.SerializerMethodField()
     facts = serializers.JSONField()
     certificateNotAfter = IsoDateTime(source="cert_not_after")
+    rotation = serializers.SerializerMethodField()
     telemetry = serializers.SerializerMethodField()
     instances = serializers.SerializerMethodField()
     # Redis unreachable: the last status this process read ("last-known", as of
@@ -129,6 +143,16 @@ class NodeSerializer(serializers.Serializer):
             "secondsLeft": int(left),
             "reason": node.maintenance_reason,
         }
+
+    @extend_schema_field(RotationSerializer(allow_null=True))
+    def get_rotation(self, node: Node) -> dict[str, Any] | None:
+        """The open rotation of the node's certificate, if one is under way."""
+        prefetched = getattr(node, "open_rotations", None)  # the list prefetches them
+        if prefetched is not None:
+            open_rotation = prefetched[0] if prefetched else None
+        else:
+            open_rotation = node.rotations.filter(open=True).first()
+        return RotationSerializer(open_rotation).data if open_rotation is not None else None
 
     @extend_schema_field(OpenApiTypes.STR)
     def get_state(self, node: Node) -> Any:

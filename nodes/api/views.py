@@ -5,6 +5,7 @@ Thin: serializers check the bodies and shape the answers, nodes.services decides
 
 from __future__ import annotations
 
+from django.db.models import Prefetch
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import viewsets
@@ -15,7 +16,7 @@ from rest_framework.response import Response
 
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
-from nodes import services, status_cache
+from nodes import rotation, services, status_cache
 from nodes import status as node_status
 from nodes.api.serializers import (
     JoinTokenRequestSerializer,
@@ -24,10 +25,11 @@ from nodes.api.serializers import (
     NodeListSerializer,
     NodeSerializer,
     RekeyRequestSerializer,
+    RotationSerializer,
     TakeoverSerializer,
     TokenSerializer,
 )
-from nodes.models import Node
+from nodes.models import CertRotation, Node
 
 
 def _node_answer(node: Node) -> Response:
@@ -37,7 +39,8 @@ def _node_answer(node: Node) -> Response:
 
 @extend_schema(tags=["nodes"])
 class NodeViewSet(viewsets.GenericViewSet):
-    """The nodes, with commands as actions: approve, revoke, drain, undrain, rekey, maintenance."""
+    """The nodes, with commands as actions: approve, revoke, drain, undrain, rekey, rotate,
+    maintenance."""
 
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
@@ -45,7 +48,10 @@ class NodeViewSet(viewsets.GenericViewSet):
 
     @extend_schema(responses={200: NodeListSerializer})
     def list(self, request: Request) -> Response:
-        nodes = list(Node.objects.all())
+        open_rotations = Prefetch(
+            "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
+        )
+        nodes = list(Node.objects.prefetch_related(open_rotations))
         statuses = node_status.read_many(nodes)
         stale, as_of = status_cache.oldest_as_of(statuses)
         listed = NodeSerializer(nodes, many=True, context={"statuses": statuses})
@@ -103,6 +109,15 @@ class NodeViewSet(viewsets.GenericViewSet):
         body = parse(RekeyRequestSerializer, request.data)
         result = services.rekey_node(node_id, lifetime_minutes=body.get("lifetimeMinutes"))
         return Response(result, status=201)
+
+    @extend_schema(
+        request=None,
+        responses={202: RotationSerializer, **errors(404, 409, 501)},
+        description="Renew the node's certificate now (two-phase; docs/operator-guide.md).",
+    )
+    @action(detail=True, methods=["post"])
+    def rotate(self, request: Request, node_id: str) -> Response:
+        return Response(RotationSerializer(rotation.rotate_now(node_id)).data, status=202)
 
     @extend_schema(
         request=MaintenanceSerializer,
