@@ -76,6 +76,7 @@ class MasterConfig:
     cert_renew_jitter_seconds: int = 6 * 3600
     rotation_pin_grace_seconds: float = 12.0
     cert_check_seconds: float = 3600.0
+    cert_expiring_seconds: int = 14 * 86400  # Degraded certificate_expiring from then on
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -228,6 +229,9 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             "MIRBAD_ROTATION_PIN_GRACE_SECONDS", 12.0, minimum=0.0, env=env
         ),
         cert_check_seconds=env_float("MIRBAD_CERT_CHECK_SECONDS", 3600.0, minimum=1.0, env=env),
+        cert_expiring_seconds=env_int(
+            "MIRBAD_CERT_EXPIRING_SECONDS", 14 * 86400, minimum=0, env=env
+        ),
     )
     if config.cert_renew_before_seconds >= config.node_cert_seconds:
         raise SettingError(

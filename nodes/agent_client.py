@@ -231,7 +231,7 @@ class AsyncAgentClient:
     def __init__(self, *, node: Node, timeout: float = 10.0) -> None:
         self.node = node
         self._timeout = timeout
-        self._serial = master_pki().client.serial
+        self._serial: int | None = master_pki().client.serial
         self._client = self._new_client()
         self._retired: list[httpx.AsyncClient] = []
 
@@ -250,6 +250,12 @@ class AsyncAgentClient:
             self._retired.append(self._client)
             self._client = self._new_client()
         return self._client
+
+    def retarget(self, node: Node) -> None:
+        """The node's pins changed (a pin added): the next request uses a client whose
+        context accepts the new set; the current one keeps what it carries."""
+        self.node = node
+        self._serial = None  # forces the swap in _current()
 
     async def aclose(self) -> None:
         for client in (*self._retired, self._client):

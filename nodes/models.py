@@ -43,6 +43,9 @@ class Node(models.Model):
     pending_pin = models.CharField(max_length=64, blank=True)
     cert_serial = models.CharField(max_length=64, blank=True)
     cert_not_after = models.DateTimeField(null=True, blank=True)
+    # Why the last renewal of the certificate failed (nodes/rotation.py); empty once one
+    # commits. Shown with certificate_expiring.
+    cert_renewal_error = models.CharField(max_length=500, blank=True)
     enrolled_at = models.DateTimeField(null=True, blank=True)
     agent_version = models.CharField(max_length=40, blank=True)
     protocol_version = models.PositiveSmallIntegerField(null=True, blank=True)

@@ -113,14 +113,29 @@ class NodeWorker:
                 }
             )
         not_after = self.node.cert_not_after
-        if not_after is not None and not_after - dt.datetime.now(dt.UTC) < dt.timedelta(days=14):
+        warn = dt.timedelta(seconds=settings.MIRBAD.cert_expiring_seconds)
+        if not_after is not None and not_after - dt.datetime.now(dt.UTC) < warn:
+            message = f"The node certificate expires {not_after:%Y-%m-%d %H:%M} UTC"
+            error = self.node.cert_renewal_error
             reasons.append(
                 {
                     "code": "certificate_expiring",
-                    "message": f"The node certificate expires {not_after:%Y-%m-%d %H:%M} UTC.",
+                    "message": f"{message}; its renewal failed: {error}"
+                    if error
+                    else f"{message}.",
                 }
             )
         return reasons
+
+    def inherit(self, previous: NodeWorker) -> None:
+        """Take over what ``previous`` knew of the node (the pins changed: a new worker
+        dials with the new ones), so that the handover shows no Offline blip."""
+        self.status = previous.status
+        self.last_contact = previous.last_contact
+        self.agent_reasons = previous.agent_reasons
+        self.clock_skew = previous.clock_skew
+        self.agent_fencing = previous.agent_fencing
+        self.autostarted_boot = previous.autostarted_boot
 
     async def recompute(
         self, now: float | None = None, *, force: bool = True, announce: bool = False
@@ -442,22 +457,30 @@ class Monitor:
         async with self._refreshing:
             nodes = {n.node_id: n for n in await self.load_nodes()}
             dropped, stopped = [], []
+            handed: dict[str, NodeWorker] = {}
             for node_id, (worker, task) in list(self.workers.items()):
                 current = nodes.get(node_id)
-                if (
-                    current is None
-                    or current.pins != worker.node.pins
-                    or current.address != worker.node.address
-                ):
-                    worker.stop.set()
-                    task.cancel()
-                    stopped.append(task)
-                    del self.workers[node_id]
-                    if current is None:
-                        dropped.append(node_id)
+                if current is not None and current.address == worker.node.address:
+                    if current.pins == worker.node.pins:
+                        continue
+                    if set(worker.node.pins) <= set(current.pins):
+                        # A pin was added (a rotation's pending pin): the connections
+                        # already verified stay good; new ones accept either pin.
+                        worker.node = current
+                        worker.client.retarget(current)
+                        continue
+                    handed[node_id] = worker  # a pin was removed: new connections only
+                worker.stop.set()
+                task.cancel()
+                stopped.append(task)
+                del self.workers[node_id]
+                if current is None:
+                    dropped.append(node_id)
             for node_id, node in nodes.items():
                 if node_id not in self.workers:
                     worker = NodeWorker(node=node, stop=asyncio.Event())
+                    if node_id in handed:
+                        worker.inherit(handed[node_id])
                     self.workers[node_id] = (worker, asyncio.create_task(worker.run()))
                     log.info("Following node %s at %s", node_id, node.address)
         # A worker cancelled mid-write must not overwrite what unfollowed() says.

@@ -223,12 +223,24 @@ def advance(rotation_id: str, *, steps: int = 12) -> CertRotation:
                 rotation.attempts += 1
                 rotation.last_error = str(exc)[:500]
                 rotation.save(update_fields=["attempts", "last_error", "updated_at"])
+                _renewal_failed(rotation, rotation.last_error)
                 log.warning("Certificate rotation %s of node %s at %s: %s", rotation_id,
                             rotation.node.node_id, rotation.stage, exc)  # fmt: skip
                 return rotation
         return CertRotation.objects.select_related("node").get(rotation_id=rotation_id)
     finally:
         CertRotation.objects.filter(rotation_id=rotation_id).update(lease_until=None)
+
+
+def _renewal_failed(rotation: CertRotation, error: str) -> None:
+    """Keep the error on the node: certificate_expiring shows it (the monitor reloads)."""
+    changed = (
+        Node.objects.filter(pk=rotation.node_id)
+        .exclude(cert_renewal_error=error)
+        .update(cert_renewal_error=error)
+    )
+    if changed:
+        events.tell_monitor(rotation.node.node_id)
 
 
 def _step(rotation: CertRotation) -> bool:
@@ -383,6 +395,7 @@ def _promote(rotation: CertRotation) -> None:
         node.pending_pin = ""
         node.cert_serial = rotation.cert_serial
         node.cert_not_after = rotation.cert_not_after
+        node.cert_renewal_error = ""
         node.save()  # the router retires connections under the old pin (D44)
         rotation.open = False
         rotation.finished_at = timezone.now()

@@ -7,6 +7,9 @@ CA, so the pinned TLS context is exercised exactly as in production.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+from dataclasses import replace
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
@@ -146,5 +149,24 @@ async def test_a_missed_fencing_event_is_caught_up_by_the_next_heartbeat(
         await worker.handle_event("heartbeat", heartbeat)
         cached = await status_cache.aread("n1")
         assert cached is not None and cached["fencing"] == accepted
+    finally:
+        await worker.client.aclose()
+
+
+async def test_certificate_expiring_names_the_last_renewal_error(
+    enrolled: Enrolled, settings: Any
+) -> None:
+    node = enrolled.node
+    node.cert_not_after = dt.datetime.now(dt.UTC) + dt.timedelta(days=3)
+    node.cert_renewal_error = "the proof connection to the new certificate failed: EOF"
+    worker = NodeWorker(node=node, stop=asyncio.Event())
+    try:
+        expiring = [r for r in worker.reasons() if r["code"] == "certificate_expiring"]
+        assert len(expiring) == 1
+        assert "its renewal failed: the proof connection" in expiring[0]["message"]
+        node.cert_not_after = dt.datetime.now(dt.UTC) + dt.timedelta(days=20)
+        assert not [r for r in worker.reasons() if r["code"] == "certificate_expiring"]
+        settings.MIRBAD = replace(settings.MIRBAD, cert_expiring_seconds=30 * 86400)
+        assert [r for r in worker.reasons() if r["code"] == "certificate_expiring"]
     finally:
         await worker.client.aclose()

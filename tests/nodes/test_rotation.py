@@ -218,3 +218,24 @@ async def test_rotate_now_through_the_api(rotating: None, enrolled: Enrolled) ->
     assert rest["again"]["error"]["code"] == "invalid_state"
     assert rest["again"]["error"]["details"] == {"activeRotationId": body["rotationId"]}
     assert rest["node"]["rotation"]["rotationId"] == body["rotationId"]
+
+
+async def test_a_failed_step_is_kept_on_the_node_until_a_rotation_commits(
+    rotating: None, enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from nodes.agent_client import AgentUnreachable
+
+    node = await _ready(enrolled)
+
+    def unreachable(self: AgentClient, rotation_id: str) -> Any:
+        raise AgentUnreachable("node n1: ConnectError: connection refused")
+
+    monkeypatch.setattr(AgentClient, "rotation_start", unreachable)
+    opened = await _run(rotation.request_rotation, "n1")
+    failed = await _run(rotation.advance, opened.rotation_id)
+    assert failed.open and failed.stage == Stage.REQUESTED and failed.attempts == 1
+    assert "connection refused" in (await _run(_node, node.pk)).cert_renewal_error
+    monkeypatch.undo()
+    done = await _run(rotation.advance, opened.rotation_id)
+    assert done.stage == Stage.COMMITTED
+    assert (await _run(_node, node.pk)).cert_renewal_error == ""
