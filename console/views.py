@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
+from django.db.models import Prefetch
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
@@ -16,9 +17,9 @@ from core.errors import ServiceError
 from models_registry import lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
-from nodes import services, status_cache
+from nodes import rotation, services, status_cache
 from nodes import status as node_status
-from nodes.models import Node
+from nodes.models import CertRotation, Node
 from nodes.status_cache import NodeStatus
 
 PageView = Callable[..., HttpResponse]
@@ -31,7 +32,10 @@ def _gib(value: object) -> float | None:
 
 @operator_required
 def overview(request: HttpRequest) -> HttpResponse:
-    nodes = list(Node.objects.all())
+    open_rotations = Prefetch(
+        "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
+    )
+    nodes = list(Node.objects.prefetch_related(open_rotations))
     models = list(ModelDefinition.objects.prefetch_related("placements__node"))
     statuses = node_status.read_many(
         [*nodes, *(p.node for m in models for p in m.placements.all())]
@@ -50,6 +54,9 @@ def overview(request: HttpRequest) -> HttpResponse:
                 "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
                 "maintenance_reason": node.maintenance_reason,
                 "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
+                "cert_not_after": node.cert_not_after,
+                "rotation_stage": node.open_rotations[0].stage if node.open_rotations else "",
+                "renewal_error": node.cert_renewal_error,
                 "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
                 "cpu": (status.get("telemetry") or {}).get("cpuPercent"),
                 "mem_percent": memory.get("percent"),
@@ -160,6 +167,8 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
             services.revoke_node(node_id)
         elif action in ("drain", "undrain"):
             services.set_draining(node_id, action == "drain")
+        elif action == "rotate":
+            rotation.rotate_now(node_id, actor=str(request.user))  # two-phase, in Celery
         else:
             return HttpResponse(status=404)
     except ServiceError as exc:

@@ -16,7 +16,7 @@ from django.http import HttpRequest
 
 from core.errors import ServiceError
 from nodes import services
-from nodes.models import JoinToken, Node
+from nodes.models import AuditEvent, CertRotation, JoinToken, Node
 
 
 def _each(
@@ -107,3 +107,29 @@ class JoinTokenAdmin(admin.ModelAdmin):
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
+
+
+class _ReadOnly(admin.ModelAdmin):
+    """Records written by the services only: listed here, never changed by hand."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(CertRotation)
+class CertRotationAdmin(_ReadOnly):
+    list_display = ("rotation_id", "node", "stage", "open", "reason", "attempts", "created_at")
+    list_filter = ("stage", "open", "reason")
+
+
+@admin.register(AuditEvent)
+class AuditEventAdmin(_ReadOnly):
+    list_display = ("at", "actor", "action", "node_id", "subject")
+    list_filter = ("action",)
+    search_fields = ("node_id", "subject", "actor")

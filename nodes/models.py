@@ -161,3 +161,21 @@ class CertRotation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.rotation_id} of {self.node_id} ({self.stage})"
+
+
+class AuditEvent(models.Model):
+    """One thing done to the fleet that an operator may need to account for later
+    (nodes/audit.py writes them; the Django admin lists them, read-only)."""
+
+    at = models.DateTimeField(auto_now_add=True, db_index=True)
+    actor = models.CharField(max_length=150)  # "system", a user name, "beat"
+    action = models.CharField(max_length=60)  # e.g. rotation.stage, rotation.committed
+    node_id = models.CharField(max_length=40, blank=True, db_index=True)
+    subject = models.CharField(max_length=60, blank=True)  # e.g. the rotation id
+    detail = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ["-at", "-id"]
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.node_id}"

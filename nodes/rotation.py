@@ -37,7 +37,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from core.errors import ServiceError
-from nodes import events, pki
+from nodes import audit, events, pki
 from nodes.agent_client import AgentClient, AgentError, AgentRefused, agent_url, check_answer
 from nodes.models import CertRotation, Node
 from nodes.services import config, master_pki
@@ -99,7 +99,9 @@ def due_for_renewal(now: dt.datetime | None = None) -> list[Node]:
 # -- starting and aborting ---------------------------------------------------------------
 
 
-def request_rotation(node_id: str, *, reason: str = CertRotation.Reason.OPERATOR) -> CertRotation:
+def request_rotation(
+    node_id: str, *, reason: str = CertRotation.Reason.OPERATOR, actor: str = "system"
+) -> CertRotation:
     """Open a rotation for the node (409 invalid_state naming the open one, if any)."""
     node = Node.objects.filter(node_id=node_id).first()
     if node is None:
@@ -123,6 +125,8 @@ def request_rotation(node_id: str, *, reason: str = CertRotation.Reason.OPERATOR
             rotation = CertRotation.objects.create(
                 rotation_id=_new_id(), node=node, reason=reason, stage=Stage.REQUESTED
             )
+            audit.record("rotation.requested", actor=actor, node_id=node_id,
+                         subject=rotation.rotation_id, reason=reason)  # fmt: skip
     except IntegrityError:
         active = CertRotation.objects.filter(node=node, open=True).first()
         raise _already_open(node_id, active) from None
@@ -175,6 +179,8 @@ def _finish_aborted(rotation: CertRotation, why: str) -> None:
         rotation.finished_at = timezone.now()
         rotation.last_error = why[:500]
         rotation.save()
+        audit.record("rotation.aborted", node_id=node.node_id, subject=rotation.rotation_id,
+                     why=why[:300])  # fmt: skip
         events.tell_monitor(node.node_id)
     log.info("Certificate rotation %s of node %s: aborted (%s)",
              rotation.rotation_id, rotation.node.node_id, why)  # fmt: skip
@@ -187,7 +193,10 @@ def _set(rotation: CertRotation, stage: str, **fields: Any) -> None:
     for name, value in fields.items():
         setattr(rotation, name, value)
     rotation.stage = stage
-    rotation.save()
+    with transaction.atomic():
+        rotation.save()
+        audit.record("rotation.stage", node_id=rotation.node.node_id,
+                     subject=rotation.rotation_id, stage=stage)  # fmt: skip
     log.info("Certificate rotation %s of node %s: stage %s persisted",
              rotation.rotation_id, rotation.node.node_id, stage)  # fmt: skip
 
@@ -239,6 +248,8 @@ def _renewal_failed(rotation: CertRotation, error: str) -> None:
         .exclude(cert_renewal_error=error)
         .update(cert_renewal_error=error)
     )
+    audit.record("rotation.failed", node_id=rotation.node.node_id, subject=rotation.rotation_id,
+                 stage=rotation.stage, error=error[:300])  # fmt: skip
     if changed:
         events.tell_monitor(rotation.node.node_id)
 
@@ -401,6 +412,8 @@ def _promote(rotation: CertRotation) -> None:
         rotation.finished_at = timezone.now()
         rotation.last_error = ""
         rotation.save()
+        audit.record("rotation.committed", node_id=node.node_id, subject=rotation.rotation_id,
+                     pin=rotation.pending_spki, serial=rotation.cert_serial)  # fmt: skip
         events.tell_monitor(node.node_id)
     log.info("Certificate rotation %s of node %s: committed; the node's pin is %s",
              rotation.rotation_id, rotation.node.node_id, rotation.pending_spki)  # fmt: skip
@@ -423,9 +436,9 @@ def _follow(rotation: CertRotation, agent: dict[str, Any]) -> None:
         raise RotationFailed(f"the agent reports {stage}; the rotation was aborted")
 
 
-def rotate_now(node_id: str) -> CertRotation:
+def rotate_now(node_id: str, *, actor: str = "operator") -> CertRotation:
     """The operator's "rotate now": open a rotation and drive it in Celery at once."""
-    rotation = request_rotation(node_id, reason=CertRotation.Reason.OPERATOR)
+    rotation = request_rotation(node_id, reason=CertRotation.Reason.OPERATOR, actor=actor)
     from nodes.tasks import drive_rotation  # the tasks import this module
 
     rotation_id = rotation.rotation_id
@@ -439,7 +452,7 @@ def check_certificates(now: dt.datetime | None = None) -> dict[str, int]:
     started = 0
     for node in due_for_renewal(now):
         try:
-            request_rotation(node.node_id, reason=CertRotation.Reason.SCHEDULED)
+            request_rotation(node.node_id, reason=CertRotation.Reason.SCHEDULED, actor="beat")
             started += 1
         except ServiceError as exc:
             log.warning("Node %s is due for a new certificate but cannot rotate: %s",

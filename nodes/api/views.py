@@ -117,7 +117,8 @@ class NodeViewSet(viewsets.GenericViewSet):
     )
     @action(detail=True, methods=["post"])
     def rotate(self, request: Request, node_id: str) -> Response:
-        return Response(RotationSerializer(rotation.rotate_now(node_id)).data, status=202)
+        opened = rotation.rotate_now(node_id, actor=str(request.user))
+        return Response(RotationSerializer(opened).data, status=202)
 
     @extend_schema(
         request=MaintenanceSerializer,

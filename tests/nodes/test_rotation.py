@@ -239,3 +239,25 @@ async def test_a_failed_step_is_kept_on_the_node_until_a_rotation_commits(
     done = await _run(rotation.advance, opened.rotation_id)
     assert done.stage == Stage.COMMITTED
     assert (await _run(_node, node.pk)).cert_renewal_error == ""
+
+
+async def test_the_audit_log_records_each_rotation(rotating: None, enrolled: Enrolled) -> None:
+    from nodes.models import AuditEvent
+
+    await _ready(enrolled)
+    opened = await _run(rotation.request_rotation, "n1", actor="alice")
+    await _run(rotation.advance, opened.rotation_id)
+
+    def events() -> list[tuple[str, str, str]]:
+        rows = AuditEvent.objects.filter(subject=opened.rotation_id).order_by("id")
+        return [(e.actor, e.action, e.detail.get("stage", "")) for e in rows]
+
+    assert await _run(events) == [
+        ("alice", "rotation.requested", ""),
+        ("system", "rotation.stage", "CsrReceived"),
+        ("system", "rotation.stage", "CertIssued"),
+        ("system", "rotation.stage", "CertInstalled"),
+        ("system", "rotation.stage", "Committing"),
+        ("system", "rotation.stage", "Committed"),
+        ("system", "rotation.committed", ""),
+    ]

@@ -177,3 +177,26 @@ def test_console_takeover_banner_and_action(operator, status_redis) -> None:
     record = json.loads((settings.MIRBAD.data_path / "takeover.json").read_text())
     assert str(record["nodes"]["n1"]).startswith("unreachable")
     path.unlink()
+
+
+@pytest.mark.django_db
+def test_console_shows_the_certificate_and_rotates_it(operator, status_redis) -> None:
+    import datetime as dt
+
+    from nodes.models import CertRotation
+
+    node = make_node("n1")
+    node.cert_not_after = dt.datetime(2027, 3, 1, 8, 0, tzinfo=dt.UTC)
+    node.spki_pin = "a" * 44
+    node.facts = {"features": ["pki.rotation"]}
+    node.save()
+    client = Client()
+    client.force_login(operator)
+    page = client.get("/").content.decode()
+    assert "until 2027-03-01 08:00 UTC" in page and 'data-action="rotate"' in page
+    assert client.post("/nodes/n1/rotate/").status_code == 302
+    opened = CertRotation.objects.get(node=node, open=True)
+    assert opened.reason == "operator"
+    assert 'data-rotation="Requested"' in client.get("/").content.decode()
+    again = client.post("/nodes/n1/rotate/")
+    assert again.status_code == 409 and "rotation open already" in again.content.decode()

@@ -45,7 +45,7 @@
 
   function onNode(node) {
     const tr = row("nodes", "data-node", node.nodeId, [
-      "id", "state", "cpu", "ram", "reasons", "key", "actions",
+      "id", "state", "cpu", "ram", "reasons", "cert", "key", "actions",
     ]);
     tr.children[0].textContent = node.nodeId;
     badge(tr.querySelector(".state"), node.state);
