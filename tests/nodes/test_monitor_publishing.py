@@ -178,7 +178,11 @@ async def test_a_revoked_node_is_dropped_and_announced_within_a_second(
         assert "n1" not in monitor.workers
         assert {"type": "router.invalidate", "kind": "status", "nodeId": "n1"} in got
         nodes = [m["event"]["node"] for m in got if kinds([m]) == ["node.updated"]]
-        assert [n["state"] for n in nodes] == ["Revoked"], got
+        states = [n["state"] for n in nodes]
+        # One Revoked, and nothing after it. A telemetry update the worker published
+        # just before the revocation reached it may come first (seen on a loaded CI
+        # machine: one Online event ahead of Revoked).
+        assert states.count("Revoked") == 1 and states[-1] == "Revoked", got
         print(f"revoke to Revoked in the status cache: {took * 1000:.0f} ms")
 
 

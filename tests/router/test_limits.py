@@ -446,7 +446,9 @@ async def test_release_never_waits_for_redis() -> None:
 
 
 async def test_idle_slots_go_back_for_other_processes(clients: list[aioredis.Redis]) -> None:
-    a, b = (Limiter(redis=c) for c in clients)
+    # A generous timeout: 1,000 admits at once on a loaded CI machine took longer than the
+    # default 0.5 s, and a timed-out admit fails open (no slot held), which is another test.
+    a, b = (Limiter(redis=c, timeout=10.0) for c in clients)
     key = _key(concurrency_limit=1000)  # blocks of 10: a process may keep 9 idle
     first = await _admit_all(a, key, 1000)
     assert len(first) == 1000
