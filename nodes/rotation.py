@@ -56,7 +56,6 @@ log = logging.getLogger("mirbad.rotation")
 Stage = CertRotation.Stage
 FEATURE = "pki.rotation"
 LEASE = dt.timedelta(seconds=120)
-_OPEN_STAGES = (Stage.REQUESTED, Stage.CSR_RECEIVED, Stage.CERT_ISSUED, Stage.CERT_INSTALLED)
 
 
 class RotationFailed(Exception):
