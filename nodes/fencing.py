@@ -105,6 +105,9 @@ def outranks(agent_triple: dict[str, Any] | None, identity: MasterIdentity | Non
     return verdict(accepted, identity) in ("stale", "competing")
 
 
+_ADVISORY_KEY = int.from_bytes(hashlib.sha256(b"mirbad-monitor").digest()[:8], "big", signed=True)
+
+
 class MonitorLock:
     """Held for the monitor's lifetime: a file lock, or a PostgreSQL advisory lock.
 
@@ -131,8 +134,7 @@ class MonitorLock:
 
             if self._conn is None:
                 self._conn = psycopg.connect(self.database_url, autocommit=True)
-            key = int.from_bytes(hashlib.sha256(b"mirbad-monitor").digest()[:8], "big", signed=True)
-            row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (key,)).fetchone()
+            row = self._conn.execute("SELECT pg_try_advisory_lock(%s)", (_ADVISORY_KEY,)).fetchone()
             return bool(row and row[0])
         self.data_path.mkdir(parents=True, exist_ok=True)
         if self._file is None:
@@ -158,6 +160,14 @@ class MonitorLock:
 
     def release(self) -> None:
         if self._conn is not None:
+            import psycopg
+
+            # Unlock before closing: the server frees a closed session's locks
+            # only after its backend exits, which races a standby's next try.
+            try:
+                self._conn.execute("SELECT pg_advisory_unlock_all()")
+            except psycopg.Error:  # a dead connection holds nothing to unlock
+                log.debug("advisory unlock failed; closing the session frees it", exc_info=True)
             self._conn.close()
             self._conn = None
         if self._file is not None:
