@@ -75,6 +75,9 @@ class MasterConfig:
     cert_renew_before_seconds: int = 30 * 86400
     cert_renew_jitter_seconds: int = 6 * 3600
     rotation_pin_grace_seconds: float = 12.0
+    # One driver per rotation: a pass holds this lease, renewed before each step, so a
+    # pass killed mid-way holds the rotation no longer than this.
+    rotation_lease_seconds: float = 60.0
     cert_check_seconds: float = 3600.0
     cert_expiring_seconds: int = 14 * 86400  # Degraded certificate_expiring from then on
 
@@ -227,6 +230,9 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         ),
         rotation_pin_grace_seconds=env_float(
             "MIRBAD_ROTATION_PIN_GRACE_SECONDS", 12.0, minimum=0.0, env=env
+        ),
+        rotation_lease_seconds=env_float(
+            "MIRBAD_ROTATION_LEASE_SECONDS", 60.0, minimum=40.0, env=env
         ),
         cert_check_seconds=env_float("MIRBAD_CERT_CHECK_SECONDS", 3600.0, minimum=1.0, env=env),
         cert_expiring_seconds=env_int(

@@ -55,7 +55,6 @@ log = logging.getLogger("mirbad.rotation")
 
 Stage = CertRotation.Stage
 FEATURE = "pki.rotation"
-LEASE = dt.timedelta(seconds=120)
 
 
 class RotationFailed(Exception):
@@ -200,15 +199,27 @@ def _set(rotation: CertRotation, stage: str, **fields: Any) -> None:
              rotation.rotation_id, rotation.node.node_id, stage)  # fmt: skip
 
 
+def _lease() -> dt.timedelta:
+    return dt.timedelta(seconds=config().rotation_lease_seconds)
+
+
 def _take_lease(rotation_id: str) -> bool:
     """One pass at a time per rotation (an UPDATE that only one of them can win)."""
     now = timezone.now()
     taken = (
         CertRotation.objects.filter(rotation_id=rotation_id, open=True)
         .filter(Q(lease_until__isnull=True) | Q(lease_until__lt=now))
-        .update(lease_until=now + LEASE)
+        .update(lease_until=now + _lease())
     )
     return taken == 1
+
+
+def _renew_lease(rotation_id: str) -> None:
+    """Before each step: a pass killed mid-way holds the rotation one lease at most, and
+    a long pass does not lose it to a second one."""
+    CertRotation.objects.filter(rotation_id=rotation_id).update(
+        lease_until=timezone.now() + _lease()
+    )
 
 
 def advance(rotation_id: str, *, steps: int = 12) -> CertRotation:
@@ -221,6 +232,7 @@ def advance(rotation_id: str, *, steps: int = 12) -> CertRotation:
         return CertRotation.objects.select_related("node").get(rotation_id=rotation_id)
     try:
         for _ in range(steps):
+            _renew_lease(rotation_id)
             rotation = CertRotation.objects.select_related("node").get(rotation_id=rotation_id)
             if not rotation.open:
                 return rotation

@@ -312,6 +312,11 @@ def server_ssl_context(identity: Identity) -> ServerContext:
     """
     ctx = ServerContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # No session tickets and no resumption (docs/decisions.md D57): a resumed session
+    # skips the certificate, so after a rotation it would still speak for the old key,
+    # and the rotation's proof needs every connection to show what it negotiated.
+    ctx.num_tickets = 0
+    ctx.options |= ssl.OP_NO_TICKET
     ctx.present(cert_path=identity.cert_path, key_path=identity.key_path, spki=identity.spki_sha256)
     ctx.load_verify_locations(cafile=str(identity.ca_path))
     ctx.verify_mode = ssl.CERT_REQUIRED

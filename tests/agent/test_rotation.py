@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import ssl
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -319,3 +321,60 @@ async def test_a_restarted_agent_presents_its_installed_certificate_again(
         assert server.rotations.summary() == {"rotationId": rid, "stage": Stage.CERT_INSTALLED}
     finally:
         await server.stop()
+
+
+def _raw_request(
+    port: int, ctx: ssl.SSLContext, request: bytes, session: ssl.SSLSession | None = None
+) -> tuple[bytes, ssl.SSLSession | None, bool]:
+    """One request on a new connection (offering ``session``): the answer, the
+    session the agent left, and whether the handshake resumed."""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, session=session) as tls,
+    ):
+        tls.sendall(request)
+        data = b""
+        while chunk := tls.recv(65536):
+            data += chunk
+        return data, tls.session, tls.session_reused
+
+
+def _commit_request(rid: str) -> bytes:
+    headers = {**master_headers(), "MirbadLLM-Operation-Id": uuid.uuid4().hex,
+               "Host": "agent", "Content-Length": "0", "Connection": "close"}  # fmt: skip
+    lines = [f"POST /agent/v1/pki/rotations/{rid}/commit HTTP/1.1"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def test_a_resumed_session_never_commits(
+    running_agent: RunningAgent, state_dir: Path
+) -> None:
+    """TLS 1.3: the agent issues no session tickets, so nothing resumes. TLS 1.2: a
+    session-id resumption skips the certificate, and the commit refuses it."""
+    agent = running_agent
+    rid = _rid()
+    csr = (await _start(agent, rid))["csrPem"]
+    status, _ = await _call(agent.session, "PUT", agent.url(f"/agent/v1/pki/rotations/{rid}/cert"),
+                            {"certPem": _sign(agent.pki, csr)})  # fmt: skip
+    assert status == 200
+    port = agent.server.port
+    tls13 = client_context(agent.pki, agent.pki.master, agent.tmp / "t13")
+    _, session, _ = await asyncio.to_thread(_raw_request, port, tls13, b"GET / HTTP/1.0\r\n\r\n")
+    assert session is not None and not session.has_ticket
+    _, _, resumed = await asyncio.to_thread(_raw_request, port, tls13, b"x", session)
+    assert not resumed
+
+    tls12 = client_context(agent.pki, agent.pki.master, agent.tmp / "t12")
+    tls12.maximum_version = ssl.TLSVersion.TLSv1_2
+    _, session, _ = await asyncio.to_thread(_raw_request, port, tls12, b"GET / HTTP/1.0\r\n\r\n")
+    answer, _, resumed = await asyncio.to_thread(
+        _raw_request, port, tls12, _commit_request(rid), session
+    )
+    assert resumed, "OpenSSL kept no TLS 1.2 session: the refusal went untested"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 409"), answer
+    error = json.loads(body)["error"]
+    assert error["code"] == "not_on_pending_certificate" and error["details"]["sessionReused"]
+    status, body = await _call(agent.session, "GET", agent.url(f"/agent/v1/pki/rotations/{rid}"))
+    assert body["stage"] == Stage.CERT_INSTALLED, body
