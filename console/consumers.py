@@ -1,4 +1,5 @@
-"""The console's websocket: forwards typed events of the groups a page asked for."""
+"""The console's websockets: each forwards the typed events of the groups its page shows
+(nodes/events.py)."""
 
 from __future__ import annotations
 
@@ -6,20 +7,29 @@ from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from nodes.events import FLEET_GROUP
+from nodes.events import FLEET_GROUP, node_group
+from protocol.names import NODE_ID_RE
 
 
-class FleetConsumer(AsyncJsonWebsocketConsumer):
-    """``/ws/fleet/``: node.updated and model.updated for the whole fleet (Overview)."""
+class _PageConsumer(AsyncJsonWebsocketConsumer):
+    """Operators only (4401 otherwise); joins ``groups()`` and forwards their events."""
 
     groups_joined: list[str]
+
+    def page_groups(self) -> list[str] | None:
+        """The groups of the page, or None when the URL names nothing valid (4404)."""
+        raise NotImplementedError
 
     async def connect(self) -> None:
         user = self.scope.get("user")
         if user is None or not user.is_authenticated or not user.is_staff:
             await self.close(code=4401)
             return
-        self.groups_joined = [FLEET_GROUP]
+        groups = self.page_groups()
+        if groups is None:
+            await self.close(code=4404)
+            return
+        self.groups_joined = groups
         for group in self.groups_joined:
             await self.channel_layer.group_add(group, self.channel_name)
         await self.accept()
@@ -30,3 +40,18 @@ class FleetConsumer(AsyncJsonWebsocketConsumer):
 
     async def console_event(self, message: dict[str, Any]) -> None:
         await self.send_json(message["event"])
+
+
+class FleetConsumer(_PageConsumer):
+    """``/ws/fleet/``: every node's and model's events (Overview)."""
+
+    def page_groups(self) -> list[str] | None:
+        return [FLEET_GROUP]
+
+
+class NodeConsumer(_PageConsumer):
+    """``/ws/nodes/<id>/``: one node's events (its page)."""
+
+    def page_groups(self) -> list[str] | None:
+        node_id = self.scope["url_route"]["kwargs"].get("node_id", "")
+        return [node_group(node_id)] if NODE_ID_RE.fullmatch(node_id) else None

@@ -11,6 +11,7 @@ urlpatterns = [
     path("", views.overview, name="overview"),
     path("nodes/add/", views.add_node, name="add-node"),
     path("takeover/", views.takeover, name="takeover"),
+    path("nodes/<str:node_id>/", views.node_page, name="node"),
     path("nodes/<str:node_id>/rekey/", views.rekey_node, name="node-rekey"),
     path("nodes/<str:node_id>/<str:action>/", views.node_action, name="node-action"),
     path("keys/", key_views.keys_page, name="keys"),

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from django.conf import settings
 from django.contrib.admin.views.decorators import staff_member_required
 from django.db.models import Prefetch
-from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
@@ -17,9 +17,9 @@ from core.errors import ServiceError
 from models_registry import lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
-from nodes import rotation, services, status_cache
+from nodes import events, rotation, services, status_cache
 from nodes import status as node_status
-from nodes.models import CertRotation, Node
+from nodes.models import AuditEvent, CertRotation, Node
 from nodes.status_cache import NodeStatus
 
 PageView = Callable[..., HttpResponse]
@@ -40,30 +40,12 @@ def overview(request: HttpRequest) -> HttpResponse:
     statuses = node_status.read_many(
         [*nodes, *(p.node for m in models for p in m.placements.all())]
     )
-    node_rows = []
-    for node in nodes:
-        status = statuses[node.node_id]
-        memory = (status.get("telemetry") or {}).get("memory") or {}
-        node_rows.append(
-            {
-                "node_id": node.node_id,
-                "state": node_status.state_of(status),
-                "approved": node.approved,
-                "revoked": node.revoked,
-                "draining": node.draining,
-                "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
-                "maintenance_reason": node.maintenance_reason,
-                "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
-                "cert_not_after": node.cert_not_after,
-                "rotation_stage": node.open_rotations[0].stage if node.open_rotations else "",
-                "renewal_error": node.cert_renewal_error,
-                "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
-                "cpu": (status.get("telemetry") or {}).get("cpuPercent"),
-                "mem_percent": memory.get("percent"),
-                "mem_used_gib": _gib(memory.get("usedBytes")),
-                "mem_total_gib": _gib(memory.get("totalBytes")),
-            }
+    node_rows = [
+        _node_row(
+            node, statuses[node.node_id], node.open_rotations[0] if node.open_rotations else None
         )
+        for node in nodes
+    ]
     model_rows = [_model_row(model, statuses) for model in models]
     download_rows = [
         {"node_id": node_id, **download_row(d)}
@@ -83,6 +65,64 @@ def overview(request: HttpRequest) -> HttpResponse:
             "redis_unreachable": stale,
             "statuses_as_of": _utc(as_of),
             "restarts": supervision.restart_lines(settings.MIRBAD.run_dir),
+        },
+    )
+
+
+def _node_row(
+    node: Node, status: NodeStatus, open_rotation: CertRotation | None
+) -> dict[str, object]:
+    """One node as the Overview's row and the node page show it."""
+    memory = (status.get("telemetry") or {}).get("memory") or {}
+    return {
+        "node_id": node.node_id,
+        "state": node_status.state_of(status),
+        "approved": node.approved,
+        "revoked": node.revoked,
+        "draining": node.draining,
+        "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
+        "maintenance_reason": node.maintenance_reason,
+        "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
+        "certificate": _certificate(rotation.certificate_summary(node, open_rotation)),
+        "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
+        "cpu": (status.get("telemetry") or {}).get("cpuPercent"),
+        "mem_percent": memory.get("percent"),
+        "mem_used_gib": _gib(memory.get("usedBytes")),
+        "mem_total_gib": _gib(memory.get("totalBytes")),
+    }
+
+
+def _certificate(summary: events.CertificateSummary) -> dict[str, object]:
+    """The summary with its times as the page prints them (live.js prints the same)."""
+    return {
+        **summary,
+        "not_after": _when(summary["notAfter"]),
+        "renew_at": _when(summary["renewAt"]),
+    }
+
+
+def _when(iso: str | None) -> str:
+    """'2026-12-02 18:35 UTC' (the console's one way to print a time)."""
+    return f"{iso[:10]} {iso[11:16]} UTC" if iso else ""
+
+
+@operator_required
+def node_page(request: HttpRequest, node_id: str) -> HttpResponse:
+    """One node: its state, certificate and open rotation (live), its rotations and
+    audit events, its actions."""
+    node = Node.objects.filter(node_id=node_id).first()
+    if node is None:
+        raise Http404(f"No node '{node_id}'.")
+    status = node_status.read(node)
+    active = CertRotation.objects.filter(node=node, open=True).first()
+    return render(
+        request,
+        "console/node.html",
+        {
+            "n": _node_row(node, status, active),
+            "address": node.address,
+            "rotations": CertRotation.objects.filter(node=node).order_by("-created_at")[:10],
+            "audit": AuditEvent.objects.filter(node_id=node.node_id).order_by("-at")[:25],
         },
     )
 
@@ -173,6 +213,8 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
             return HttpResponse(status=404)
     except ServiceError as exc:
         return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
+    if request.POST.get("back") == "node":
+        return redirect("node", node_id=node_id)  # the form on the node page
     return redirect("overview")
 
 

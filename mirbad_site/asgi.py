@@ -20,7 +20,7 @@ from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E40
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.urls import path  # noqa: E402
 
-from console.consumers import FleetConsumer  # noqa: E402
+from console.consumers import FleetConsumer, NodeConsumer  # noqa: E402
 from router.app import RouterApp, Scope  # noqa: E402
 from router.relay import Receive, Send  # noqa: E402
 
@@ -40,7 +40,14 @@ async def http_dispatch(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 websocket_app = AllowedHostsOriginValidator(
-    AuthMiddlewareStack(URLRouter([path("ws/fleet/", FleetConsumer.as_asgi())]))
+    AuthMiddlewareStack(
+        URLRouter(
+            [
+                path("ws/fleet/", FleetConsumer.as_asgi()),
+                path("ws/nodes/<str:node_id>/", NodeConsumer.as_asgi()),
+            ]
+        )
+    )
 )
 
 

@@ -3,7 +3,10 @@
 Three groups, each with its own listeners and payloads:
 
 - ``fleet``: console events for the Overview (``FleetConsumer``). The monitor
-  publishes ``node.updated``, ``model.updated`` and ``download.updated`` here.
+  publishes ``node.updated``, ``model.updated`` and ``download.updated`` here;
+  a rotation publishes ``node.certificate``.
+- ``node.<id>``: the same node events for one node's page (``NodeConsumer``):
+  ``node.updated``, ``node.certificate`` and ``download.updated`` of that node.
 - ``router.invalidate``: what makes a router process's caches wrong. Registry
   changes (``router.signals``) send ``routes``/``keys``; the monitor sends
   ``status`` with a node id when a node's state or instances change. Only the
@@ -78,13 +81,60 @@ class DownloadUpdated(TypedDict):
     download: dict[str, Any]
 
 
-Event = NodeUpdated | ModelUpdated | DownloadUpdated
+class RotationSummary(TypedDict):
+    rotationId: str
+    stage: str
+    reason: str
+    attempts: int
+    lastError: str
+
+
+class CertificateSummary(TypedDict):
+    """A node's certificate as the console shows it (nodes.rotation.certificate_summary)."""
+
+    nodeId: str
+    serial: str
+    notAfter: str | None  # ISO 8601, UTC
+    renewAt: str | None
+    renewalError: str
+    rotation: RotationSummary | None  # the open one
+
+
+class CertificateUpdated(TypedDict):
+    type: Literal["node.certificate"]
+    certificate: CertificateSummary
+
+
+Event = NodeUpdated | ModelUpdated | DownloadUpdated | CertificateUpdated
+
+
+def node_group(node_id: str) -> str:
+    """The group of one node's page (node ids are Channels-safe: protocol.names)."""
+    return f"node.{node_id}"
+
+
+def _groups(event: Event) -> list[str]:
+    if event["type"] == "node.updated":
+        return [FLEET_GROUP, node_group(event["node"]["nodeId"])]
+    if event["type"] == "node.certificate":
+        return [FLEET_GROUP, node_group(event["certificate"]["nodeId"])]
+    if event["type"] == "download.updated":
+        return [FLEET_GROUP, node_group(event["nodeId"])]
+    return [FLEET_GROUP]
 
 
 async def publish(event: Event) -> None:
-    """Send ``event`` to the console; the consumer forwards it to the browser as JSON."""
+    """Send ``event`` to the console pages that show it; their consumers forward it to
+    the browser as JSON."""
     message: dict[str, Any] = {"type": "console.event", "event": dict(event)}
-    await _send(FLEET_GROUP, message, event["type"])
+    for group in _groups(event):
+        await _send(group, message, event["type"])
+
+
+def publish_after_commit(build: Callable[[], Event]) -> None:
+    """From synchronous code: build the event once the transaction commits (so it says
+    what was stored) and publish it."""
+    transaction.on_commit(lambda: async_to_sync(publish)(build()))
 
 
 # -- router invalidation (router.invalidate) --------------------------------------------

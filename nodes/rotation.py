@@ -46,7 +46,10 @@ from protocol.identity import key_spki_sha256
 __all__ = [
     "abort",
     "advance",
+    "certificate_summary",
+    "drive",
     "due_for_renewal",
+    "next_pass_in",
     "renew_at",
     "request_rotation",
 ]
@@ -94,6 +97,49 @@ def due_for_renewal(now: dt.datetime | None = None) -> list[Node]:
     return due
 
 
+# -- what the console shows -------------------------------------------------------------
+
+
+def _iso(moment: dt.datetime | None) -> str | None:
+    return moment.astimezone(dt.UTC).isoformat() if moment is not None else None
+
+
+def certificate_summary(
+    node: Node, open_rotation: CertRotation | None = None
+) -> events.CertificateSummary:
+    """The node's certificate and its open rotation: what the Overview's Certificate
+    cell and the node page render, and what ``node.certificate`` carries."""
+    active = open_rotation or CertRotation.objects.filter(node=node, open=True).first()
+    return events.CertificateSummary(
+        nodeId=node.node_id,
+        serial=node.cert_serial,
+        notAfter=_iso(node.cert_not_after),
+        renewAt=_iso(renew_at(node)),
+        renewalError=node.cert_renewal_error,
+        rotation=None
+        if active is None
+        else events.RotationSummary(
+            rotationId=active.rotation_id,
+            stage=active.stage,
+            reason=active.reason,
+            attempts=active.attempts,
+            lastError=active.last_error,
+        ),
+    )
+
+
+def _announce(node_pk: int) -> None:
+    """After the commit: the console's pages show the stored certificate and stage."""
+
+    def build() -> events.CertificateUpdated:
+        node = Node.objects.get(pk=node_pk)
+        return events.CertificateUpdated(
+            type="node.certificate", certificate=certificate_summary(node)
+        )
+
+    events.publish_after_commit(build)
+
+
 # -- starting and aborting ---------------------------------------------------------------
 
 
@@ -125,6 +171,7 @@ def request_rotation(
             )
             audit.record("rotation.requested", actor=actor, node_id=node_id,
                          subject=rotation.rotation_id, reason=reason)  # fmt: skip
+            _announce(node.pk)
     except IntegrityError:
         active = CertRotation.objects.filter(node=node, open=True).first()
         raise _already_open(node_id, active) from None
@@ -180,6 +227,7 @@ def _finish_aborted(rotation: CertRotation, why: str) -> None:
         audit.record("rotation.aborted", node_id=node.node_id, subject=rotation.rotation_id,
                      why=why[:300])  # fmt: skip
         events.tell_monitor(node.node_id)
+        _announce(node.pk)
     log.info("Certificate rotation %s of node %s: aborted (%s)",
              rotation.rotation_id, rotation.node.node_id, why)  # fmt: skip
 
@@ -195,6 +243,7 @@ def _set(rotation: CertRotation, stage: str, **fields: Any) -> None:
         rotation.save()
         audit.record("rotation.stage", node_id=rotation.node.node_id,
                      subject=rotation.rotation_id, stage=stage)  # fmt: skip
+        _announce(rotation.node_id)
     log.info("Certificate rotation %s of node %s: stage %s persisted",
              rotation.rotation_id, rotation.node.node_id, stage)  # fmt: skip
 
@@ -227,9 +276,46 @@ def advance(rotation_id: str, *, steps: int = 12) -> CertRotation:
 
     Returns at the end, at the pin grace (the next pass installs), or when a step
     fails (its error recorded on the rotation; the next pass retries from the stage).
+    A rotation another pass holds is returned as it is.
     """
-    if not _take_lease(rotation_id):
+    reached = _pass(rotation_id, steps=steps)
+    if reached is None:
         return CertRotation.objects.select_related("node").get(rotation_id=rotation_id)
+    return reached
+
+
+def drive(rotation_id: str) -> tuple[CertRotation, float | None]:
+    """A pass, and in how many seconds the next one should come (None: not before the
+    beat's). What Celery runs for "rotate now": it does not wait an hour for the beat
+    at the pin grace or after a step that failed once."""
+    reached = _pass(rotation_id, steps=12)
+    if reached is None:  # another pass holds it and schedules its own follow-up
+        return CertRotation.objects.select_related("node").get(rotation_id=rotation_id), None
+    return reached, next_pass_in(reached)
+
+
+RETRIED_PASSES = 5  # after that, the beat's pass (MIRBAD_CERT_CHECK_SECONDS) retries
+
+
+def next_pass_in(rotation: CertRotation, now: dt.datetime | None = None) -> float | None:
+    """Seconds until a rotation left open is worth driving again: the rest of the pin
+    grace, or 30 s doubling after a failed step (the first RETRIED_PASSES)."""
+    if not rotation.open:
+        return None
+    cfg = config()
+    moment = now or timezone.now()
+    if rotation.stage == Stage.CERT_ISSUED:
+        ready = rotation.updated_at + dt.timedelta(seconds=cfg.rotation_pin_grace_seconds)
+        if moment < ready:
+            return (ready - moment).total_seconds() + 0.1
+    if 0 < rotation.attempts <= RETRIED_PASSES:
+        return min(30.0 * 2 ** (rotation.attempts - 1), cfg.cert_check_seconds)
+    return None
+
+
+def _pass(rotation_id: str, *, steps: int) -> CertRotation | None:
+    if not _take_lease(rotation_id):
+        return None
     try:
         for _ in range(steps):
             _renew_lease(rotation_id)
@@ -263,6 +349,7 @@ def _renewal_failed(rotation: CertRotation, error: str) -> None:
                  stage=rotation.stage, error=error[:300])  # fmt: skip
     if changed:
         events.tell_monitor(rotation.node.node_id)
+    _announce(rotation.node_id)  # the attempt count and the error
 
 
 def _step(rotation: CertRotation) -> bool:
@@ -426,6 +513,7 @@ def _promote(rotation: CertRotation) -> None:
         audit.record("rotation.committed", node_id=node.node_id, subject=rotation.rotation_id,
                      pin=rotation.pending_spki, serial=rotation.cert_serial)  # fmt: skip
         events.tell_monitor(node.node_id)
+        _announce(node.pk)
     log.info("Certificate rotation %s of node %s: committed; the node's pin is %s",
              rotation.rotation_id, rotation.node.node_id, rotation.pending_spki)  # fmt: skip
 

@@ -18,11 +18,15 @@ def renew_bootstrap_bundle() -> str | None:
 
 @shared_task(name="nodes.tasks.drive_rotation", ignore_result=True)
 def drive_rotation(rotation_id: str) -> str:
-    """Take one certificate rotation as far as it goes now (nodes/rotation.advance); what
-    is left (the pin grace, a failed step) the beat's next check_certificates resumes."""
+    """Take one certificate rotation as far as it goes now (nodes/rotation.drive), and
+    queue the next pass when it must wait (the pin grace) or a step failed; the beat's
+    check_certificates resumes whatever this chain leaves."""
     from nodes import rotation
 
-    return str(rotation.advance(rotation_id).stage)
+    reached, delay = rotation.drive(rotation_id)
+    if delay is not None:
+        drive_rotation.apply_async((rotation_id,), countdown=delay)
+    return str(reached.stage)
 
 
 @shared_task(name="nodes.tasks.check_certificates", ignore_result=True)

@@ -114,6 +114,7 @@ async def test_fleet_websocket_refuses_anonymous() -> None:
     communicator.scope["user"] = AnonymousUser()
     connected, code = await communicator.connect()
     assert not connected and code == 4401
+    await communicator.disconnect()  # the consumer ends with the test's loop, not after it
 
 
 @pytest.mark.django_db
