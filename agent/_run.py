@@ -14,6 +14,7 @@ from agent._config import AgentConfig
 from agent._errors import AgentError
 from agent.http import AgentServer
 from agent.identity import Identity, bootstrap_enroll, ensure_state_directory
+from agent.telemetry import install_agent_log
 
 __all__ = ["configure_logging", "run_agent", "serve"]
 
@@ -22,12 +23,15 @@ log = logging.getLogger("mirbad.agent")
 
 def configure_logging(level: str) -> None:
     """One line per record on stderr (journald and Docker collect it from there)."""
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(formatter)
     root = logging.getLogger("mirbad")
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
+    # The same lines, the last 2,000, for the console's log panel (docs/decisions.md D62).
+    install_agent_log(formatter)
 
 
 async def serve(

@@ -7,6 +7,7 @@ from typing import Any
 from django import forms
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
+from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_POST
 
 from console.views import operator_required
@@ -14,6 +15,8 @@ from router import keys
 from router.models import SCOPES, ApiKey
 
 DEFAULT_SCOPES = ["chat", "completions", "embeddings", "rerank"]
+# The session entry carrying a new key to the one GET after its create.
+NEW_KEY = "console.new_key"
 
 
 class KeyForm(forms.Form):
@@ -55,9 +58,12 @@ class KeyForm(forms.Form):
 
 @operator_required
 def keys_page(request: HttpRequest) -> HttpResponse:
-    """List keys; a POST creates one and shows its plaintext in this response only.
+    """List keys; a POST creates one and redirects to the list (post/redirect/get).
 
-    A refused form is shown again, its errors at their fields, with status 400.
+    The new key's plaintext rides in the (database-backed) session to exactly the next
+    GET, which pops it: a reload shows it no more and creates nothing, and it is never
+    in a URL or a cookie (docs/decisions.md D67). A refused form is shown again, its
+    errors at their fields, with status 400 (nothing was created, so a reload is harmless).
     """
     context: dict[str, Any] = {}
     if request.method == "POST":
@@ -69,15 +75,20 @@ def keys_page(request: HttpRequest) -> HttpResponse:
                 field = form.field_for(exc.field)
                 form.add_error(field, exc.reason if field else str(exc))
             else:
-                context["created"] = {"row": row, "key": plaintext}
-                form = KeyForm(initial={"scopes": DEFAULT_SCOPES})
+                request.session[NEW_KEY] = {"id": row.pk, "name": row.name, "key": plaintext}
+                return redirect("keys")
     elif request.method == "GET":
         form = KeyForm(initial={"scopes": DEFAULT_SCOPES})
+        context["created"] = request.session.pop(NEW_KEY, None)
     else:
         return HttpResponseNotAllowed(["GET", "POST"])
     context["form"] = form
     context["keys"] = list(ApiKey.objects.all())
-    return render(request, "console/keys.html", context, status=400 if form.errors else 200)
+    context["base_url"] = request.build_absolute_uri("/v1")
+    response = render(request, "console/keys.html", context, status=400 if form.errors else 200)
+    if context.get("created"):
+        add_never_cache_headers(response)  # no copy of the secret in any cache
+    return response
 
 
 @operator_required

@@ -1,130 +1,168 @@
-"""Console pages (thin: they read services and the status cache)."""
+"""Console pages (thin: they read services and the status cache): the Overview, add node,
+and the node actions; the Nodes list and node page are in console/node_views.py."""
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable
+import ipaddress
+from collections import Counter
+from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
-from django.contrib.admin.views.decorators import staff_member_required
-from django.db.models import Prefetch
-from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed
+from django.contrib import messages
+from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from console import node_views
+from console.access import operator_required
+from console.formats import gib
 from core import supervision
 from core.errors import ServiceError
-from models_registry import lifecycle
+from models_registry import kpis, lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
-from nodes import events, rotation, services, status_cache
+from nodes import rotation, services, status_cache, telemetry
 from nodes import status as node_status
-from nodes.models import AuditEvent, CertRotation, Node
+from nodes.models import Node
 from nodes.status_cache import NodeStatus
+from router.recent import recent as recent_requests
 
-PageView = Callable[..., HttpResponse]
-operator_required: Callable[[PageView], PageView] = staff_member_required(login_url="/login/")
-
-
-def _gib(value: object) -> float | None:
-    return value / 2**30 if isinstance(value, int | float) else None
+__all__ = ["download_row", "operator_required"]
 
 
-@operator_required
-def overview(request: HttpRequest) -> HttpResponse:
-    open_rotations = Prefetch(
-        "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
-    )
-    nodes = list(Node.objects.prefetch_related(open_rotations))
+def _fleet() -> dict[str, Any]:
+    """Everything the Overview shows, read once: registry, statuses, history, flags."""
+    nodes = list(Node.objects.prefetch_related(node_views.open_rotations()).order_by("node_id"))
     models = list(ModelDefinition.objects.prefetch_related("placements__node"))
     statuses = node_status.read_many(
         [*nodes, *(p.node for m in models for p in m.placements.all())]
     )
-    node_rows = [
-        _node_row(
-            node, statuses[node.node_id], node.open_rotations[0] if node.open_rotations else None
-        )
-        for node in nodes
-    ]
+    node_rows = node_views.rows_for(nodes, statuses)
     model_rows = [_model_row(model, statuses) for model in models]
     download_rows = [
         {"node_id": node_id, **download_row(d)}
         for node_id, status in sorted(statuses.items())
         for d in ((status or {}).get("downloads") or {}).values()
     ]
-    blocked = any(row["state"] == "PendingTakeover" for row in node_rows)
+    points = telemetry.latest_many([n.node_id for n in nodes])
     stale, as_of = status_cache.oldest_as_of(statuses)
-    return render(
-        request,
-        "console/overview.html",
-        {
-            "nodes": node_rows,
-            "models": model_rows,
-            "downloads": download_rows,
-            "takeover_needed": blocked,
-            "redis_unreachable": stale,
-            "statuses_as_of": _utc(as_of),
-            "restarts": supervision.restart_lines(settings.MIRBAD.run_dir),
-        },
-    )
-
-
-def _node_row(
-    node: Node, status: NodeStatus, open_rotation: CertRotation | None
-) -> dict[str, object]:
-    """One node as the Overview's row and the node page show it."""
-    memory = (status.get("telemetry") or {}).get("memory") or {}
     return {
-        "node_id": node.node_id,
-        "state": node_status.state_of(status),
-        "approved": node.approved,
-        "revoked": node.revoked,
-        "draining": node.draining,
-        "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
-        "maintenance_reason": node.maintenance_reason,
-        "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
-        "certificate": _certificate(rotation.certificate_summary(node, open_rotation)),
-        "reasons": ", ".join(r.get("code", "") for r in status.get("reasons", [])),
-        "cpu": (status.get("telemetry") or {}).get("cpuPercent"),
-        "mem_percent": memory.get("percent"),
-        "mem_used_gib": _gib(memory.get("usedBytes")),
-        "mem_total_gib": _gib(memory.get("totalBytes")),
+        "tiles": _tiles(node_rows, model_rows, points),
+        "attention": _attention(node_rows, model_rows, kpis.model_flags(models), download_rows),
+        "nodes": node_rows,
+        "takeover_needed": any(row["state"] == "PendingTakeover" for row in node_rows),
+        "redis_unreachable": stale,
+        "statuses_as_of": _utc(as_of),
     }
-
-
-def _certificate(summary: events.CertificateSummary) -> dict[str, object]:
-    """The summary with its times as the page prints them (live.js prints the same)."""
-    return {
-        **summary,
-        "not_after": _when(summary["notAfter"]),
-        "renew_at": _when(summary["renewAt"]),
-    }
-
-
-def _when(iso: str | None) -> str:
-    """'2026-12-02 18:35 UTC' (the console's one way to print a time)."""
-    return f"{iso[:10]} {iso[11:16]} UTC" if iso else ""
 
 
 @operator_required
-def node_page(request: HttpRequest, node_id: str) -> HttpResponse:
-    """One node: its state, certificate and open rotation (live), its rotations and
-    audit events, its actions."""
-    node = Node.objects.filter(node_id=node_id).first()
-    if node is None:
-        raise Http404(f"No node '{node_id}'.")
-    status = node_status.read(node)
-    active = CertRotation.objects.filter(node=node, open=True).first()
+def overview(request: HttpRequest) -> HttpResponse:
+    """Tiles (nodes by state, models, requests per minute, tokens per second, queue) and
+    what needs the operator's attention, each line linking to its page; then the fleet."""
     return render(
         request,
-        "console/node.html",
-        {
-            "n": _node_row(node, status, active),
-            "address": node.address,
-            "rotations": CertRotation.objects.filter(node=node).order_by("-created_at")[:10],
-            "audit": AuditEvent.objects.filter(node_id=node.node_id).order_by("-at")[:25],
-        },
+        "console/overview.html",
+        {**_fleet(), "restarts": supervision.restart_lines(settings.MIRBAD.run_dir)},
     )
+
+
+@operator_required
+def overview_summary(request: HttpRequest) -> HttpResponse:
+    """The tiles and Needs attention alone, as live.js swaps them in after an event."""
+    return render(request, "console/overview_summary.html", _fleet())
+
+
+def _sum(values: list[float | None]) -> float | None:
+    """The sum of the known values; None when none is known (a tile shows a dash, not 0)."""
+    known = [v for v in values if isinstance(v, int | float)]
+    return sum(known) if known else None
+
+
+def _tiles(
+    node_rows: list[dict[str, Any]],
+    model_rows: list[dict[str, Any]],
+    points: dict[str, telemetry.Point | None],
+) -> dict[str, Any]:
+    engines = [e for p in points.values() if p for e in p.get("engines", {}).values()]
+    return {
+        "nodes_by_state": sorted(Counter(r["state"] for r in node_rows).items()),
+        "nodes_total": len(node_rows),
+        "models_ready": sum(1 for m in model_rows if m["state"] == "Ready"),
+        "models_placed": sum(1 for m in model_rows if m["node_id"] != "-"),
+        "models_total": len(model_rows),
+        "requests_per_minute": recent_requests.last_minute(),
+        "tokens_per_second": _sum([e.get("genTps") for e in engines]),
+        "queue_depth": _sum([e.get("waiting") for e in engines]),
+    }
+
+
+def _attention(
+    node_rows: list[dict[str, Any]],
+    model_rows: list[dict[str, Any]],
+    flags: dict[int, kpis.Flags],
+    download_rows: list[dict[str, Any]],
+) -> list[dict[str, str]]:
+    """One line per thing that needs the operator, most urgent kinds first, each with the
+    page that explains it."""
+    lines: list[dict[str, str]] = []
+
+    def add(kind: str, subject: str, text: str, url: str) -> None:
+        lines.append({"kind": kind, "subject": subject, "text": text, "url": url})
+
+    for n in node_rows:
+        url = reverse("node", args=[n["node_id"]])
+        if n["revoked"]:
+            continue
+        if n["state"] in ("Offline", "Degraded", "Incompatible", "PendingTakeover"):
+            detail = "; ".join(
+                f"{r.get('code')}: {r.get('message', '')}".rstrip(": ") for r in n["reason_details"]
+            )
+            error = f" Last error: {n['last_error']}" if n["last_error"] else ""
+            add("node", n["node_id"], f"{n['state']}. {detail}{error}".strip(), url)
+        elif n["state"] == "PendingApproval":
+            add("node", n["node_id"], f"Waiting for approval (key {n['fingerprint']}).", url)
+        cert = n["certificate"]
+        if cert.get("renewalError"):
+            add("certificate", n["node_id"], f"Renewal failed: {cert['renewalError']}", url)
+        if cert.get("rotation"):
+            add(
+                "operation",
+                n["node_id"],
+                f"Certificate rotation at {cert['rotation']['stage']}.",
+                url,
+            )
+    for m in model_rows:
+        url = reverse("model", args=[m["id"]])
+        if m["state"] == "Failed":
+            add("model", m["served_name"], f"Failed: {m['error'] or 'no cause reported'}", url)
+        flag = flags.get(m["id"])
+        if flag and (flag["stalled"] or flag["slow"]):
+            add(
+                "model",
+                m["served_name"],
+                ("Stalled: " if flag["stalled"] else "Slow: ") + flag["reason"],
+                url,
+            )
+        if m["restart_pending"]:
+            add(
+                "model",
+                m["served_name"],
+                "Restart pending: its settings changed since it started.",
+                url,
+            )
+    for d in download_rows:
+        if d["state"] == "Failed":
+            add(
+                "download",
+                f"{d['node_id']}/{d['folder']}",
+                f"Download failed: {d['error']}",
+                reverse("downloads"),
+            )
+    return lines
 
 
 def _utc(moment: float | None) -> datetime.datetime | None:
@@ -136,6 +174,7 @@ def _model_row(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[
     summary = model_services.model_summary(model, statuses)
     budget = model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes")
     notes = []
+    pending = False
     for placement in model.placements.all():
         status = statuses.get(placement.node.node_id) or {}
         inst = (status.get("instances") or {}).get(placement.instance_id)
@@ -147,6 +186,7 @@ def _model_row(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[
             if flag:
                 notes.append(f"{placement.node.node_id}: {flag}")
         if lifecycle.restart_pending(model, placement, inst):
+            pending = True
             notes.append(f"{placement.node.node_id}: restart pending")
     if model.auto_start_note:
         notes.append(model.auto_start_note)
@@ -156,10 +196,11 @@ def _model_row(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[
         "state": summary["state"],
         "node_id": summary["nodeId"] or "-",
         "error": summary["error"] or "",
-        "budget_gib": _gib(budget),
-        "measured_gib": _gib(summary["measuredBytes"]),
+        "budget_gib": gib(budget),
+        "measured_gib": gib(summary["measuredBytes"]),
         "restarts": summary["restartCount"],
         "notes": "; ".join(notes),
+        "restart_pending": pending,
     }
 
 
@@ -180,41 +221,118 @@ def download_row(download: dict) -> dict[str, object]:
     }
 
 
+_JOIN_SESSION_KEY = "console.join"
+
+
+def _loopback(url: str) -> bool:
+    """True when other machines cannot reach ``url``'s host (127.0.0.0/8, ::1, localhost)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _show_join(request: HttpRequest, join: dict[str, object], rekey: bool) -> HttpResponse:
+    """Keep the token for exactly the next GET (post/redirect/get): a reload neither makes
+    a second token nor shows this one again, and the token never appears in a URL."""
+    request.session[_JOIN_SESSION_KEY] = {"join": join, "rekey": rekey}
+    return redirect("add-node")
+
+
 @operator_required
 def add_node(request: HttpRequest) -> HttpResponse:
-    """Add node: a single-use join token, shown once, with the command to run."""
-    context: dict[str, object] = {}
+    """Add node: a single-use join token, shown once, with the commands to run."""
     if request.method == "POST":
+        node_id = request.POST.get("node_id", "").strip()
         try:
-            context["join"] = services.create_join_token(
-                node_id=request.POST.get("node_id", "").strip()
-            )
+            join = services.create_join_token(node_id=node_id)
         except ServiceError as exc:
-            context["error"] = exc.message
-            context["node_id"] = request.POST.get("node_id", "")
-    elif request.method != "GET":
+            refused = {"error": exc.message, "node_id": node_id[:40]}
+            return render(request, "console/add_node.html", refused, status=400)
+        return _show_join(request, join, rekey=False)
+    if request.method != "GET":
         return HttpResponseNotAllowed(["GET", "POST"])
+    shown = request.session.pop(_JOIN_SESSION_KEY, None)
+    context: dict[str, object] = {}
+    if shown:
+        join = shown["join"]
+        context = {
+            "join": join,
+            "rekey": shown["rekey"],
+            "loopback": _loopback(str(join["enrollUrl"])),
+        }
     return render(request, "console/add_node.html", context)
+
+
+MAINTENANCE_MINUTES_MAX = 7 * 24 * 60
+
+
+def _maintenance_seconds(raw: str) -> int:
+    """The console's maintenance form gives minutes; the service takes seconds."""
+    try:
+        minutes = int(raw)
+    except ValueError:
+        raise ServiceError(
+            400, "invalid_request", "minutes: give the hold's length as a whole number of minutes"
+        ) from None
+    if not 1 <= minutes <= MAINTENANCE_MINUTES_MAX:
+        raise ServiceError(
+            400, "invalid_request", f"minutes: from 1 to {MAINTENANCE_MINUTES_MAX} (a week)"
+        )
+    return minutes * 60
+
+
+NODE_ACTIONS = {
+    "approve": ("Approved", lambda node_id, post, user: services.approve_node(node_id)),
+    "revoke": ("Revoked", lambda node_id, post, user: services.revoke_node(node_id)),
+    "drain": ("Draining", lambda node_id, post, user: services.set_draining(node_id, True)),
+    "undrain": (
+        "No longer draining",
+        lambda node_id, post, user: services.set_draining(node_id, False),
+    ),
+    "maintenance": (
+        "Held for maintenance",
+        lambda node_id, post, user: services.start_maintenance(
+            node_id,
+            seconds=_maintenance_seconds(post.get("minutes", "")),
+            reason=post.get("reason", "")[:200],
+        ),
+    ),
+    "end-maintenance": (
+        "Maintenance ended",
+        lambda node_id, post, user: services.end_maintenance(node_id),
+    ),
+    # Two-phase, driven in Celery (docs/decisions.md D55).
+    "rotate": (
+        "Certificate rotation requested",
+        lambda node_id, post, user: rotation.rotate_now(node_id, actor=user),
+    ),
+}
 
 
 @operator_required
 @require_POST
 def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse:
+    """One node action, then a redirect (post/redirect/get) to the page the form was on,
+    with the outcome as a message."""
+    entry = NODE_ACTIONS.get(action)
+    if entry is None:
+        return HttpResponse(status=404)
+    done, run = entry
     try:
-        if action == "approve":
-            services.approve_node(node_id)
-        elif action == "revoke":
-            services.revoke_node(node_id)
-        elif action in ("drain", "undrain"):
-            services.set_draining(node_id, action == "drain")
-        elif action == "rotate":
-            rotation.rotate_now(node_id, actor=str(request.user))  # two-phase, in Celery
-        else:
-            return HttpResponse(status=404)
+        run(node_id, request.POST, str(request.user))
     except ServiceError as exc:
-        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
-    if request.POST.get("back") == "node":
+        messages.error(request, f"{node_id}: {exc.message}")
+    else:
+        messages.success(request, f"{node_id}: {done}.")
+    back = request.POST.get("back")
+    if back == "node":
         return redirect("node", node_id=node_id)  # the form on the node page
+    if back == "nodes":
+        return redirect("nodes")
     return redirect("overview")
 
 
@@ -232,5 +350,10 @@ def rekey_node(request: HttpRequest, node_id: str) -> HttpResponse:
     try:
         join = services.rekey_node(node_id)
     except ServiceError as exc:
-        return HttpResponse(exc.message, status=exc.status, content_type="text/plain")
-    return render(request, "console/add_node.html", {"join": join, "rekey": True})
+        messages.error(request, f"{node_id}: {exc.message}")
+        return (
+            redirect("node", node_id=node_id)
+            if Node.objects.filter(node_id=node_id).exists()
+            else redirect("nodes")
+        )
+    return _show_join(request, join, rekey=True)

@@ -21,6 +21,7 @@ from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: 
 from django.urls import path  # noqa: E402
 
 from console.consumers import FleetConsumer, NodeConsumer  # noqa: E402
+from console.log_consumer import LogConsumer  # noqa: E402
 from router.app import RouterApp, Scope  # noqa: E402
 from router.relay import Receive, Send  # noqa: E402
 
@@ -45,6 +46,7 @@ websocket_app = AllowedHostsOriginValidator(
             [
                 path("ws/fleet/", FleetConsumer.as_asgi()),
                 path("ws/nodes/<str:node_id>/", NodeConsumer.as_asgi()),
+                path("ws/nodes/<str:node_id>/logs/<str:name>/", LogConsumer.as_asgi()),
             ]
         )
     )

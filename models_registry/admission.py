@@ -52,7 +52,7 @@ class Line:
         verdict = "fits" if self.fits else "does not fit"
         return (
             f"{self.label}: needs {gib(self.needs)}, {gib(max(0, self.free))} free after the "
-            f"{gib(self.reserve)} reserve · {verdict}"
+            f"{gib(self.reserve)} reserve - {verdict}"
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -293,6 +293,43 @@ def cancel_download(node_param: str | None, folder: str) -> dict[str, Any]:
     return {"node": node.node_id, **_call(node, "cancel_download", folder)}
 
 
+RETRYABLE = ("Failed", "Cancelled")
+
+
+def retry_download(node_id: str, folder: str) -> dict[str, Any]:
+    """Start a Failed or Cancelled download again from its own source (docs/decisions.md D67).
+
+    The source (repo, the commit it was resolved to, the files) is the node's record
+    of the download as its last heartbeat reported it, the record the console shows,
+    so a cancelled download (which the node forgets) can be retried too. The token is
+    never kept: a download that needed one is started again with it from the form,
+    and the node resumes from the bytes in ``.partial``.
+    """
+    _check_folder(folder)
+    node = node_from_param(node_id, action="a retry")
+    record = ((node_status.read(node).get("downloads") or {}).get(folder)) or {}
+    if not record:
+        raise ServiceError(
+            404,
+            "not_found",
+            f"Node {node.node_id} reports no download into '{folder}'; start it from the form.",
+        )
+    if record.get("state") not in RETRYABLE:
+        raise ServiceError(
+            409,
+            "invalid_state",
+            f"The download into '{folder}' is {record.get('state')}; only a Failed or "
+            "Cancelled download can be retried.",
+        )
+    body = {
+        "folder": folder,
+        "repoId": record.get("repoId"),
+        "revision": record.get("revision"),
+        "allowPatterns": record.get("allowPatterns"),
+    }
+    return start_download(node.node_id, body)
+
+
 def model_folders(node_param: str | None) -> dict[str, Any]:
     """GET /api/model-folders: the weights a node holds, which of them it fetched."""
     node = _node_with(

@@ -65,15 +65,32 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
     except ServiceError:
         raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'") from None
     cleaned["source_folder"] = folder
-    file = data.get("source_file", instance.source_file if instance else None)
+    cleaned["source_file"] = clean_source_file(
+        data.get("source_file", instance.source_file if instance else None)
+    )
+    cleaned["settings"] = clean_settings(
+        data.get("settings", instance.settings if instance else {})
+    ).to_dict()
+    if "auto_start" in data:
+        if not isinstance(data["auto_start"], bool):
+            raise _invalid("auto_start", "must be true or false")
+        cleaned["auto_start"] = data["auto_start"]
+    return cleaned
+
+
+def clean_source_file(file: Any) -> str:
+    """A .gguf file name inside the model folder (no path), else 400 naming source_file."""
     if not isinstance(file, str) or not FILE_NAME.fullmatch(file) or not file.endswith(".gguf"):
         raise _invalid("source_file", "name a .gguf file inside the folder (no path)")
-    cleaned["source_file"] = file
-    raw_settings = data.get("settings", instance.settings if instance else {})
-    if not isinstance(raw_settings, dict):
+    return file
+
+
+def clean_settings(raw: Any) -> llamacpp.LlamaCppSettings:
+    """llama.cpp settings parsed, else 400 llamacpp_settings_invalid naming every bad field."""
+    if not isinstance(raw, dict):
         raise _invalid("settings", "must be an object")
     try:
-        cleaned["settings"] = llamacpp.LlamaCppSettings.from_dict(raw_settings).to_dict()
+        return llamacpp.LlamaCppSettings.from_dict(raw)
     except llamacpp.SettingsError as exc:
         first = next(iter(exc.errors))
         raise ServiceError(
@@ -82,11 +99,6 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
             f"settings.{first}: {exc.errors[first]}",
             details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
         ) from None
-    if "auto_start" in data:
-        if not isinstance(data["auto_start"], bool):
-            raise _invalid("auto_start", "must be true or false")
-        cleaned["auto_start"] = data["auto_start"]
-    return cleaned
 
 
 def _resolve_node(node_id: Any) -> Node:
@@ -234,6 +246,14 @@ def update_model(model: ModelDefinition, data: dict[str, Any]) -> ModelDefinitio
     if placements is not None:
         _apply_placements(model, placements)
     return model
+
+
+def delete_model(model: ModelDefinition) -> None:
+    """Delete a definition and its placements; a model meant to run is refused (409)."""
+    if model.desired_state == ModelDefinition.Desired.RUNNING:
+        raise ServiceError(409, "model_running", "Stop the model before deleting it.")
+    model.delete()
+    log.info("Deleted model %s", model.served_name)
 
 
 def get_model(model_id: int) -> ModelDefinition:

@@ -226,7 +226,8 @@ class AgentClient:
 
 
 class AsyncAgentClient:
-    """Async client for the monitor: snapshots, telemetry and the event stream."""
+    """Async client for the monitor (snapshots, telemetry, the event stream) and the
+    console's log panel (logs)."""
 
     def __init__(self, *, node: Node, timeout: float = 10.0) -> None:
         self.node = node
@@ -277,6 +278,27 @@ class AsyncAgentClient:
 
     async def telemetry(self) -> dict[str, Any]:
         return await self._request("GET", "/telemetry")
+
+    # The logs (docs/agent-api.md, "Logs"; docs/decisions.md D62), for the console.
+
+    async def logs(self) -> list[dict[str, Any]]:
+        """The logs the node offers: ``agent`` and one per engine instance."""
+        return (await self._request("GET", "/logs"))["logs"]
+
+    async def log_lines(
+        self, name: str, *, after: int | None = None, limit: int = 200, wait: int = 0
+    ) -> dict[str, Any]:
+        """``{"name", "lines", "next"}``: the last ``limit`` lines, or those after
+        ``after``, long-polled up to ``wait`` seconds (the read timeout allows for it)."""
+        params: dict[str, int] = {"limit": limit}
+        if after is not None:
+            params["after"] = after
+            if wait:
+                params["wait"] = wait
+        timeout = httpx.Timeout(self._timeout, read=self._timeout + wait)
+        return await self._request(
+            "GET", f"/logs/{path_segment(name)}", params=params, timeout=timeout
+        )
 
     async def events(self, *, read_timeout: float) -> AsyncIterator[tuple[str, dict[str, Any]]]:
         """Yield ``(event, data)`` from the SSE stream until it ends or goes silent."""

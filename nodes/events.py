@@ -6,7 +6,8 @@ Three groups, each with its own listeners and payloads:
   publishes ``node.updated``, ``model.updated`` and ``download.updated`` here;
   a rotation publishes ``node.certificate``.
 - ``node.<id>``: the same node events for one node's page (``NodeConsumer``):
-  ``node.updated``, ``node.certificate`` and ``download.updated`` of that node.
+  ``node.updated``, ``node.certificate`` and ``download.updated`` of that node, and
+  ``node.telemetry`` (the node's newest history point), which goes to this group only.
 - ``router.invalidate``: what makes a router process's caches wrong. Registry
   changes (``router.signals``) send ``routes``/``keys``; the monitor sends
   ``status`` with a node id when a node's state or instances change. Only the
@@ -27,6 +28,8 @@ from typing import Any, Literal, TypedDict
 from asgiref.sync import async_to_sync
 from channels.layers import get_channel_layer
 from django.db import transaction
+
+from nodes.telemetry import Point
 
 log = logging.getLogger("mirbad.events")
 
@@ -49,6 +52,9 @@ class NodeSummary(TypedDict):
     memoryUsedBytes: int | None
     memoryTotalBytes: int | None
     lastSeen: float | None
+    approved: bool | None  # the registry's flags; None when the node is gone
+    draining: bool | None
+    maintenance: bool | None
 
 
 class ModelSummary(TypedDict):
@@ -105,7 +111,16 @@ class CertificateUpdated(TypedDict):
     certificate: CertificateSummary
 
 
-Event = NodeUpdated | ModelUpdated | DownloadUpdated | CertificateUpdated
+class NodeTelemetry(TypedDict):
+    """A node's newest telemetry point (nodes.telemetry.arecord), every 5 s: for its page
+    only, so the Overview's socket does not carry every node's charts."""
+
+    type: Literal["node.telemetry"]
+    nodeId: str
+    point: Point
+
+
+Event = NodeUpdated | ModelUpdated | DownloadUpdated | CertificateUpdated | NodeTelemetry
 
 
 def node_group(node_id: str) -> str:
@@ -120,6 +135,8 @@ def _groups(event: Event) -> list[str]:
         return [FLEET_GROUP, node_group(event["certificate"]["nodeId"])]
     if event["type"] == "download.updated":
         return [FLEET_GROUP, node_group(event["nodeId"])]
+    if event["type"] == "node.telemetry":
+        return [node_group(event["nodeId"])]  # not the fleet: docs/decisions.md D63
     return [FLEET_GROUP]
 
 

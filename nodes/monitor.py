@@ -23,7 +23,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from nodes import events, fencing, hooks, status_cache
+from nodes import events, fencing, hooks, stalls, status_cache, telemetry
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state, registry_state
@@ -49,7 +49,9 @@ def heartbeat_age(now: float | None = None) -> float | None:
     return (time.time() if now is None else now) - float(raw)
 
 
-def node_summary(status: status_cache.NodeStatus) -> events.NodeSummary:
+def node_summary(status: status_cache.NodeStatus, node: Node | None = None) -> events.NodeSummary:
+    """The node's row data for the console; the registry flags come from ``node`` (a
+    console row changes shape when they change: docs/decisions.md D68)."""
     telemetry = status.get("telemetry") or {}
     memory = telemetry.get("memory") or {}
     return events.NodeSummary(
@@ -61,6 +63,9 @@ def node_summary(status: status_cache.NodeStatus) -> events.NodeSummary:
         memoryUsedBytes=memory.get("usedBytes"),
         memoryTotalBytes=memory.get("totalBytes"),
         lastSeen=status.get("lastSeen"),
+        approved=node.approved if node is not None else None,
+        draining=node.draining if node is not None else None,
+        maintenance=bool(node.maintenance_left()) if node is not None else None,
     )
 
 
@@ -178,7 +183,7 @@ class NodeWorker:
 
     async def publish_node(self) -> None:
         await events.publish(
-            events.NodeUpdated(type="node.updated", node=node_summary(self.status))
+            events.NodeUpdated(type="node.updated", node=node_summary(self.status, self.node))
         )
 
     async def publish_models(self, model_ids: list[int] | None = None) -> None:
@@ -370,6 +375,20 @@ class NodeWorker:
             self.status["telemetry"] = sample
             await status_cache.awrite(self.status)
             await self.publish_node()
+            await self.record_telemetry(sample)
+
+    async def record_telemetry(self, sample: dict[str, Any]) -> None:
+        """Add the sample to the node's history, evaluate its engines' stalled and slow
+        warnings (nodes/stalls.py), and send the point to the node's page."""
+        try:
+            point = await telemetry.arecord(self.node.node_id, sample)
+            await stalls.aupdate(self.node.node_id, point["t"])
+        except Exception:  # the history must not drop the node's connection
+            log.exception("Node %s: recording its telemetry failed", self.node.node_id)
+            return
+        await events.publish(
+            events.NodeTelemetry(type="node.telemetry", nodeId=self.node.node_id, point=point)
+        )
 
     async def watchdog(self) -> None:
         """Turn a silent node Offline after 15 s, even while a connect attempt hangs."""
@@ -505,7 +524,9 @@ class Monitor:
         }
         await status_cache.awrite(status)
         await events.invalidate_status(node_id)
-        await events.publish(events.NodeUpdated(type="node.updated", node=node_summary(status)))
+        await events.publish(
+            events.NodeUpdated(type="node.updated", node=node_summary(status, node))
+        )
         await publish_model_rows(node_id)
 
     async def node_changed(self, node_id: str) -> None:

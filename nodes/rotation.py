@@ -105,11 +105,17 @@ def _iso(moment: dt.datetime | None) -> str | None:
 
 
 def certificate_summary(
-    node: Node, open_rotation: CertRotation | None = None
+    node: Node, open_rotation: CertRotation | None = None, *, looked_up: bool = False
 ) -> events.CertificateSummary:
     """The node's certificate and its open rotation: what the Overview's Certificate
-    cell and the node page render, and what ``node.certificate`` carries."""
-    active = open_rotation or CertRotation.objects.filter(node=node, open=True).first()
+    cell and the node page render, and what ``node.certificate`` carries.
+
+    ``looked_up``: the caller already read the open rotation (a list page prefetches
+    them for every node), so None means there is none, not "go and look".
+    """
+    active = open_rotation
+    if active is None and not looked_up:
+        active = CertRotation.objects.filter(node=node, open=True).first()
     return events.CertificateSummary(
         nodeId=node.node_id,
         serial=node.cert_serial,

@@ -211,6 +211,18 @@ _memory = _Memory()
 _UNREACHABLE = (redis.RedisError, OSError)
 
 
+def reads_paused() -> bool:
+    """Whether reads skip Redis now (it failed under RETRY_AFTER_SECONDS ago): the other
+    readers of the read client (the telemetry history) skip it too, so a page with a
+    stalled Redis waits for one timeout, not one per read."""
+    return not _memory.should_try()
+
+
+def read_failed(exc: BaseException) -> None:
+    """A read of the read client failed: pause every reader for RETRY_AFTER_SECONDS."""
+    _memory.failed(exc)
+
+
 def _decode(node_ids: list[str], raws: list[str | bytes | None]) -> dict[str, NodeStatus | None]:
     answers = {n: (json.loads(r) if r else None) for n, r in zip(node_ids, raws, strict=True)}
     _memory.remember(answers)

@@ -36,10 +36,12 @@ from protocol.errors import (
     WireError,
 )
 from protocol.wire import WirePool, WireResponse
-from router import errors, metrics, sse, transform
+from router import errors, fleet_metrics, metrics, sse, transform
 from router.errors import V1Error
 from router.invalidation import Listener
+from router.keys import KeyInfo
 from router.limits import Limiter
+from router.recent import recent as recent_requests
 from router.relay import ClientGone, Receive, Send, WholeReader, stream, tee
 from router.routing import Replica, RoutingTable
 from router.usage import UsageMeter
@@ -88,6 +90,8 @@ class _Request:
     ttfb: float | None = None
     overhead: float | None = None
     usage: tuple[int, int] | None = None
+    key: KeyInfo | None = None  # set once the request is metered, with the name it used
+    metered_as: str = ""
 
 
 class _TooLarge(Exception):
@@ -222,6 +226,10 @@ class RouterApp:
                 # Not the client: the agent went silent mid-stream and the stream was cut.
                 request.status, request.error_code = 504, "upstream_timeout"
         finally:
+            if request.key is not None:
+                recent_requests.record()
+                if request.status >= 400 or request.error_code is not None:
+                    self.meter.record_error(request.key, request.metered_as)
             metrics.observe_request(
                 request.model,
                 request.key_prefix,
@@ -265,6 +273,9 @@ class RouterApp:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        if path == "/metrics" and method == "GET" and b"authorization" not in headers:
+            await self._metrics_for_session(send, headers)
+            return
         key = await self._authenticate(headers, scope)
         request.key_prefix = key.prefix
         if path == "/metrics" and method == "GET":
@@ -319,14 +330,40 @@ class RouterApp:
             prompt, completion = usage or request.usage or (0, 0)
             await self.limiter().release(ticket, tokens=prompt + completion)
             self.meter.record(key, name, prompt_tokens=prompt, completion_tokens=completion)
+            request.key, request.metered_as = key, name
             if usage or request.usage:
                 metrics.add_tokens(name, key.prefix, prompt, completion)
 
     async def _metrics(self, send: Send, key: Any) -> None:
-        """Prometheus text for this web process; scraped with a key that has ``admin``."""
+        """Prometheus text: this web process's router families and the fleet's
+        (router.fleet_metrics); scraped with a key that has ``admin``."""
         if "admin" not in key.scopes:
             raise V1Error(403, "scope_not_allowed", "/metrics needs a key with the 'admin' scope.")
-        body, content_type = metrics.render()
+        await self._send_metrics(send)
+
+    async def _metrics_for_session(self, send: Send, headers: dict[bytes, bytes]) -> None:
+        """/metrics without a key: an operator's console session may read it
+        (docs/decisions.md D64)."""
+        cookie = headers.get(b"cookie", b"").decode("latin-1")
+        verdict = await fleet_metrics.asession_verdict(cookie) if cookie else "none"
+        if verdict == "user":
+            raise V1Error(
+                403, "scope_not_allowed", "/metrics needs an operator's session or an admin key."
+            )
+        if verdict != "staff":
+            raise errors.invalid_key()  # no key and no session: today's 401
+        await self._send_metrics(send)
+
+    async def _send_metrics(self, send: Send) -> None:
+        router_body, content_type = metrics.render()
+        try:
+            fleet_body = await fleet_metrics.arender()
+        except Exception:  # the database away: say so, rather than half a fleet
+            log.exception("/metrics: reading the fleet failed")
+            raise V1Error(
+                503, "fleet_unavailable", "The fleet's metrics could not be read; try again."
+            ) from None
+        body = router_body + fleet_body
         await send(
             {
                 "type": "http.response.start",

@@ -114,12 +114,26 @@ def update_key(key_id: int, changes: dict[str, Any]) -> ApiKey:
     Saved with ``save()`` so that post_save announces it to every router's key
     cache (router.signals); their TTL bounds a lost announcement.
     """
+    row = get_key(key_id)
+    cleaned = clean_changes(row, changes)
+    for field, value in cleaned.items():
+        setattr(row, field, value)
+    if cleaned:
+        row.save(update_fields=list(cleaned))
+    return row
+
+
+def clean_changes(row: ApiKey, changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` to ``row`` checked and cleaned, nothing saved (``KeyError_`` names a field).
+
+    ``update_key`` applies the result; the Django admin's change form checks with it
+    first, so it refuses what PATCH /api/keys refuses (docs/decisions.md D60).
+    """
     unknown = sorted(set(changes) - set(EDITABLE_FIELDS))
     if unknown:
         if unknown[0] == "scopes":
             raise KeyError_("scopes", "cannot change on an existing key; create a new key")
         raise KeyError_(unknown[0], f"unknown field; editable: {', '.join(EDITABLE_FIELDS)}")
-    row = get_key(key_id)
     cleaned: dict[str, Any] = {}
     for field, value in changes.items():
         if field == "name":
@@ -132,11 +146,7 @@ def update_key(key_id: int, changes: dict[str, Any]) -> ApiKey:
             cleaned[field] = value if unchanged else _validate_expiry(value)
         else:
             cleaned[field] = validate_limit(field, value)
-    for field, value in cleaned.items():
-        setattr(row, field, value)
-    if cleaned:
-        row.save(update_fields=list(cleaned))
-    return row
+    return cleaned
 
 
 def get_key(key_id: int) -> ApiKey:

@@ -13,6 +13,10 @@ one, so Django, tests and libraries cannot collide with it). The families:
 ``mirbad_v1_in_flight``                    gauge       model
 =========================================  ==========  ===============================
 
+``/metrics`` also carries the fleet's families (``mirbad_node_*``, ``mirbad_model_*``,
+``mirbad_queue_depth``): ``router.fleet_metrics`` reads them from the registry, the
+node statuses and the telemetry history at each scrape (docs/decisions.md D64).
+
 Labels:
 
 * ``code`` of ``requests_total`` is the HTTP status sent to the client ("200",

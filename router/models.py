@@ -68,6 +68,9 @@ class UsageRecord(models.Model):
     requests = models.PositiveBigIntegerField(default=0)
     prompt_tokens = models.PositiveBigIntegerField(default=0)
     completion_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.PositiveBigIntegerField(
+        default=0, help_text="Requests answered with an error (status >= 400 or a stream error)"
+    )
 
     class Meta:
         ordering = ["hour", "id"]

@@ -48,13 +48,15 @@ CSV_HEADER = (
     "requests",
     "prompt_tokens",
     "completion_tokens",
+    "errors",
 )
 _BATCH = 2000
 
 # (key id, key prefix, served name, hour start as Unix seconds)
 Bucket = tuple[int, str, str, int]
-# requests, prompt tokens, completion tokens
-Counts = tuple[int, int, int]
+# requests, prompt tokens, completion tokens, errors
+Counts = tuple[int, int, int, int]
+_FIELDS = 4
 
 
 class UsageMeter:
@@ -77,23 +79,33 @@ class UsageMeter:
     ) -> None:
         """Count one request of ``key`` on served name ``model`` and its tokens (no I/O)."""
         now = int(self._clock())
-        bucket = (key.id, key.prefix, model, now // 3600 * 3600)
         prompt = prompt_tokens if prompt_tokens > 0 else 0
         completion = completion_tokens if completion_tokens > 0 else 0
         with self._lock:
             self._last_used[key.id] = now
-            counts = self._pending.get(bucket)
-            if counts is None:
-                self._pending[bucket] = [1, prompt, completion]
-            else:
-                counts[0] += 1
-                counts[1] += prompt
-                counts[2] += completion
+            self._add_locked(
+                (key.id, key.prefix, model, now // 3600 * 3600), 1, prompt, completion, 0
+            )
+
+    def record_error(self, key: KeyInfo, model: str) -> None:
+        """Count one request already recorded as an error (its answer was >= 400 or an
+        error inside a 200 stream; the same rule as the router's errors metric)."""
+        now = int(self._clock())
+        with self._lock:
+            self._add_locked((key.id, key.prefix, model, now // 3600 * 3600), 0, 0, 0, 1)
+
+    def _add_locked(self, bucket: Bucket, *deltas: int) -> None:
+        counts = self._pending.get(bucket)
+        if counts is None:
+            self._pending[bucket] = list(deltas)
+        else:
+            for i, delta in enumerate(deltas):
+                counts[i] += delta
 
     def pending(self) -> dict[Bucket, Counts]:
         """What has not been written yet (a copy)."""
         with self._lock:
-            return {b: (c[0], c[1], c[2]) for b, c in self._pending.items()}
+            return {b: (c[0], c[1], c[2], c[3]) for b, c in self._pending.items()}
 
     async def flush(self) -> int:
         """Write the deltas recorded so far; returns how many rows it touched.
@@ -119,7 +131,7 @@ class UsageMeter:
                         del self._last_used[key_id]
                 for bucket, written in snapshot.items():
                     counts = self._pending[bucket]
-                    for i in range(3):
+                    for i in range(_FIELDS):
                         counts[i] -= written[i]
                     if not any(counts):
                         del self._pending[bucket]
@@ -201,6 +213,7 @@ def _add(
         "requests": F("requests") + counts[0],
         "prompt_tokens": F("prompt_tokens") + counts[1],
         "completion_tokens": F("completion_tokens") + counts[2],
+        "errors": F("errors") + counts[3],
     }
     if UsageRecord.objects.filter(**where).update(**increments):
         return
@@ -214,6 +227,7 @@ def _add(
                 requests=counts[0],
                 prompt_tokens=counts[1],
                 completion_tokens=counts[2],
+                errors=counts[3],
             )
     except IntegrityError:
         UsageRecord.objects.filter(**where).update(**increments)
@@ -294,6 +308,7 @@ def usage_summary(
             requests=Sum("requests"),
             prompt_tokens=Sum("prompt_tokens"),
             completion_tokens=Sum("completion_tokens"),
+            errors=Sum("errors"),
         )
         .order_by("key_prefix", "model")
     )
@@ -306,6 +321,7 @@ def usage_summary(
             "requests": row["requests"],
             "prompt_tokens": row["prompt_tokens"],
             "completion_tokens": row["completion_tokens"],
+            "errors": row["errors"],
         }
         for row in rows
     ]
@@ -338,6 +354,7 @@ def iter_usage_rows(
                 "requests",
                 "prompt_tokens",
                 "completion_tokens",
+                "errors",
             )[:batch]
         )
         if not found:
@@ -352,8 +369,9 @@ def iter_usage_rows(
                 requests,
                 prompt,
                 completion,
+                errors,
             )
-            for hour, _id, prefix, name, served, requests, prompt, completion in found
+            for hour, _id, prefix, name, served, requests, prompt, completion, errors in found
         ]
         if len(found) < batch:
             return

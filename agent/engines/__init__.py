@@ -14,14 +14,21 @@ from agent.engines._spec import (
     confined_path,
     resolve_model_path,
 )
-from agent.engines.process import ProcessRuntime, stop_recorded_engines
+from agent.engines.process import (
+    ProcessRuntime,
+    cap_log,
+    engine_log_path,
+    stop_recorded_engines,
+)
 
 __all__ = [
     "Catalogue",
     "ProcessRuntime",
+    "cap_log",
     "check_folder_name",
     "check_relative_name",
     "confined_path",
+    "engine_log_path",
     "install_llama_server",
     "resolve_model_path",
     "stop_recorded_engines",

@@ -15,8 +15,7 @@ import logging
 import secrets
 import ssl
 import weakref
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -26,19 +25,24 @@ from agent._errors import (
     ERROR_HEADER,
     ApiError,
     ClientNotMaster,
-    DownloadRunning,
-    InvalidRequest,
     MethodNotAllowed,
     NotFound,
 )
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
-from agent.engines import Catalogue, ProcessRuntime, check_folder_name, resolve_model_path
+from agent.engines import (
+    Catalogue,
+    ProcessRuntime,
+    cap_log,
+    engine_log_path,
+)
+from agent.http._complete import complete
 from agent.http._front import FrontListener
 from agent.http._json import read_json
 from agent.http._pki import RotationRoutes
 from agent.http._proxy import Proxy, Upstream, engine_slots
 from agent.http._refusals import RefusalLog
+from agent.http._weights import WeightRoutes
 from agent.identity import (
     Identity,
     RotationStore,
@@ -49,7 +53,9 @@ from agent.identity import (
 )
 from agent.state import OPERATION_HEADER, EventBus, Fencing, OperationLog, describe_request
 from agent.telemetry import (
+    EngineTarget,
     HealthMonitor,
+    LogBook,
     Telemetry,
     describe,
     disks,
@@ -58,14 +64,14 @@ from agent.telemetry import (
     memory,
     probe_gpus,
 )
-from agent.weights import DownloadManager, Weights, is_model_file, read_summary
+from agent.weights import DownloadManager, Weights
 from protocol.fencing import MASTER_HEADER, TIME_HEADER
 from protocol.http_limits import aiohttp_handler_limits
+from protocol.states import InstanceState
 
 __all__ = ["ERROR_HEADER", "AgentServer", "error_middleware"]
 
 log = logging.getLogger("mirbad.agent.server")
-T = TypeVar("T")
 
 FEATURES = [
     "runtime.llamacpp.process",
@@ -77,6 +83,7 @@ FEATURES = [
     "downloads.hf-native",
     "weights.inventory",
     "pki.rotation",
+    "logs",
 ]
 
 
@@ -132,15 +139,13 @@ class AgentServer:
         heartbeat_interval: float = 5.0,
         ready_poll_interval: float = 0.5,
         stop_grace_seconds: float = 10.0,
+        telemetry_interval: float = 5.0,
     ) -> None:
         self.config = config
         self.identity = identity
         self.boot_id = secrets.token_hex(16)
         self.bus = EventBus()
         self.catalogue = Catalogue(entries=config.executables)
-        self.telemetry = Telemetry(
-            models_root=config.models_root_path, state_directory=config.state_directory
-        )
         self.health = HealthMonitor(
             models_root=config.models_root_path,
             state_directory=config.state_directory,
@@ -154,6 +159,18 @@ class AgentServer:
             bus=self.bus,
             ready_poll_interval=ready_poll_interval,
             stop_grace_seconds=stop_grace_seconds,
+        )
+        self.telemetry = Telemetry(
+            models_root=config.models_root_path,
+            state_directory=config.state_directory,
+            engines=self._engine_targets,
+            gpus=self.runtime.gpus,
+            interval=telemetry_interval,
+        )
+        self.logs = LogBook(
+            instances=lambda: [(i["instanceId"], i["state"]) for i in self.runtime.list()],
+            log_path=lambda instance_id: engine_log_path(config.state_directory, instance_id),
+            cap=cap_log,
         )
         self.proxy = Proxy(
             resolve=self._upstream,
@@ -181,6 +198,9 @@ class AgentServer:
             bus=self.bus,
             on_finished=self.weights.invalidate,
         )
+        self.weight_routes = WeightRoutes(
+            models_root=config.models_root_path, weights=self.weights, downloads=self.downloads
+        )
         self.port: int | None = None
 
     def _expected_subsystems(self) -> list[dict[str, str]]:
@@ -198,6 +218,25 @@ class AgentServer:
                 )
         return reasons
 
+    def _engine_targets(self) -> list[EngineTarget]:
+        """The engines the telemetry sampler measures: every instance with a process."""
+        targets = []
+        for item in self.runtime.list():
+            if item["pid"] is None:
+                continue
+            inst = self.runtime.get(item["instanceId"])
+            targets.append(
+                EngineTarget(
+                    instance_id=inst.instance_id,
+                    state=str(inst.state),
+                    pid=item["pid"],
+                    port=inst.port,
+                    key=inst.key,
+                    ready=inst.state == InstanceState.READY,
+                )
+            )
+        return targets
+
     # -- lifecycle -------------------------------------------------------------------
 
     async def start(self) -> None:
@@ -212,6 +251,8 @@ class AgentServer:
         await self.proxy.start()
         await self.health.refresh()
         self.health.start()
+        self.telemetry.start()
+        self.logs.start()
         limits = self.config.http_limits
         self._runner = web.AppRunner(
             self.build_app(),
@@ -243,6 +284,7 @@ class AgentServer:
     async def stop(self) -> None:
         """Drain the listener, then stop every engine and the background tasks."""
         self.bus.close()
+        await self.logs.close()  # answers the console's long-polls before the drain
         if self._front is not None:
             await self._front.close(self.config.shutdown_timeout_seconds)
             self._front = None
@@ -253,6 +295,7 @@ class AgentServer:
         await self.downloads.close()
         await self.proxy.close()
         await self.health.stop()
+        await self.telemetry.stop()
         log.info("Agent stopped")
 
     def ssl_context(self) -> ssl.SSLContext:
@@ -291,17 +334,13 @@ class AgentServer:
         r.add_get("/agent/v1/status", self.handle_status)
         r.add_get("/agent/v1/telemetry", self.handle_telemetry)
         r.add_get("/agent/v1/events", self.handle_events)
+        r.add_get("/agent/v1/logs", self.handle_logs)
+        r.add_get("/agent/v1/logs/{name}", self.handle_log_lines)
         r.add_get("/agent/v1/instances", self.handle_list)
         r.add_post("/agent/v1/instances", self.handle_launch)
         r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
         r.add_delete("/agent/v1/instances/{instanceId}", self.handle_delete)
-        r.add_get("/agent/v1/folders/{folder}/gguf", self.handle_gguf)
-        r.add_get("/agent/v1/downloads", self.handle_downloads)
-        r.add_post("/agent/v1/downloads", self.handle_download_start)
-        r.add_get("/agent/v1/downloads/{folder}", self.handle_download)
-        r.add_delete("/agent/v1/downloads/{folder}", self.handle_download_cancel)
-        r.add_get("/agent/v1/model-folders", self.handle_model_folders)
-        r.add_delete("/agent/v1/model-folders/{folder}", self.handle_model_folder_reclaim)
+        self.weight_routes.register(r)
         self.rotations.register(r)
         r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
         r.add_route("*", "/agent/v1/proxy/{instanceId}", self.proxy.handle)
@@ -439,36 +478,6 @@ class AgentServer:
             "weights": self.weights.summary(),
         }
 
-    async def handle_gguf(self, request: web.Request) -> web.Response:
-        """The header summary of a GGUF in a model folder, read under hard bounds."""
-        folder = request.match_info["folder"]
-        file = request.query.get("file")
-        root = self.config.models_root_path
-        if file is None:
-            check_folder_name(folder)
-            directory = root / folder
-            if not directory.is_dir():
-                raise NotFound(f"model folder {folder!r} does not exist on this node")
-            candidates = sorted(
-                p.name for p in directory.iterdir() if is_model_file(p.name) and p.is_file()
-            )
-            if not candidates:
-                raise NotFound(f"model folder {folder!r} holds no model GGUF")
-            if len(candidates) > 1:
-                # The list is also structured: a file name may itself contain a comma.
-                raise InvalidRequest(
-                    f"'{folder}' has several model GGUFs; choose one with ?file=: "
-                    + ", ".join(candidates),
-                    details={"candidates": candidates},
-                )
-            file = candidates[0]
-        try:
-            path = resolve_model_path(root, folder, file)
-        except ApiError as exc:
-            raise NotFound(exc.message) from None
-        summary = await asyncio.to_thread(read_summary, path)
-        return web.json_response({"folder": folder, "file": file, **summary})
-
     def _folder_in_use(self, folder: str) -> bool:
         """Whether a Starting or Ready instance loads its model from ``folder``."""
         for item in self.runtime.list():
@@ -476,33 +485,6 @@ class AgentServer:
                 if self.runtime.get(item["instanceId"]).spec.model_folder == folder:
                     return True
         return False
-
-    async def handle_downloads(self, request: web.Request) -> web.Response:
-        return web.json_response({"downloads": self.downloads.list()})
-
-    async def handle_download_start(self, request: web.Request) -> web.Response:
-        body = await read_json(request)
-        download = await _complete(self.downloads.create(body))
-        return web.json_response(download, status=202)
-
-    async def handle_download(self, request: web.Request) -> web.Response:
-        return web.json_response(self.downloads.get(request.match_info["folder"]))
-
-    async def handle_download_cancel(self, request: web.Request) -> web.Response:
-        download = await _complete(self.downloads.cancel(request.match_info["folder"]))
-        return web.json_response(download)
-
-    async def handle_model_folders(self, request: web.Request) -> web.Response:
-        return web.json_response(await asyncio.to_thread(self.weights.inventory))
-
-    async def handle_model_folder_reclaim(self, request: web.Request) -> web.Response:
-        folder = request.match_info["folder"]
-        if folder in self.downloads.active_folders():
-            raise DownloadRunning(f"a download for folder {folder!r} is running; DELETE it first")
-        # The checks read the runtime's instances, so they run here, on the loop; only
-        # the unlinking goes to a thread.
-        plan = self.weights.check_reclaim(folder)
-        return web.json_response(await asyncio.to_thread(self.weights.carry_out, plan))
 
     async def handle_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -538,27 +520,33 @@ class AgentServer:
                 "time": utc_now_iso(),
                 "health": {"reasons": self.health.reasons},
                 "instances": self.runtime.list(),
-                "telemetry": self.telemetry.sample(),
+                "telemetry": await self.telemetry.current(),
             }
         )
 
     async def handle_telemetry(self, request: web.Request) -> web.Response:
-        return web.json_response(self.telemetry.sample())
+        return web.json_response(await self.telemetry.current())
+
+    async def handle_logs(self, request: web.Request) -> web.Response:
+        return web.json_response(self.logs.listing())
+
+    async def handle_log_lines(self, request: web.Request) -> web.Response:
+        return web.json_response(await self.logs.read(request.match_info["name"], request.query))
 
     async def handle_list(self, request: web.Request) -> web.Response:
         return web.json_response({"instances": self.runtime.list()})
 
     async def handle_launch(self, request: web.Request) -> web.Response:
         body = await read_json(request)
-        instance = await _complete(self.runtime.launch(body))
+        instance = await complete(self.runtime.launch(body))
         return web.json_response(instance, status=202)
 
     async def handle_stop(self, request: web.Request) -> web.Response:
-        instance = await _complete(self.runtime.stop(request.match_info["instanceId"]))
+        instance = await complete(self.runtime.stop(request.match_info["instanceId"]))
         return web.json_response(instance)
 
     async def handle_delete(self, request: web.Request) -> web.Response:
-        await _complete(self.runtime.delete(request.match_info["instanceId"]))
+        await complete(self.runtime.delete(request.match_info["instanceId"]))
         return web.Response(status=204)
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
@@ -590,24 +578,6 @@ class AgentServer:
                     break
                 await response.write(_sse(event.seq, event.type, event.data))
         return response
-
-
-async def _complete(operation: Coroutine[Any, Any, T]) -> T:
-    """Run a mutation to its end even if the master hangs up meanwhile.
-
-    aiohttp cancels a handler whose client disconnects; a launch or stop cut short
-    half way could leave an instance Starting without a process, or a process nobody
-    supervises. The shielded task finishes; only the answer is lost.
-    """
-    task = asyncio.ensure_future(operation)
-    task.add_done_callback(_consume_result)
-    return await asyncio.shield(task)
-
-
-def _consume_result(task: asyncio.Task[Any]) -> None:
-    # Marks the exception as retrieved when nobody is left to await the task.
-    if not task.cancelled():
-        task.exception()
 
 
 def _sse(seq: int, event_type: str, data: dict[str, Any]) -> bytes:

@@ -36,6 +36,8 @@ log = logging.getLogger("mirbad.agent.describe")
 NVIDIA_SMI_ABSENT = "nvidia-smi is not installed"
 # The GPU fields every heartbeat carries (driverVersion is static: /info has it).
 HEARTBEAT_GPU_FIELDS = ("index", "uuid", "name", "memoryTotalBytes", "memoryUsedBytes")
+# What probe_gpus asks nvidia-smi, in the column order parse_gpus reads.
+GPU_QUERY = "index,uuid,name,memory.total,memory.used,driver_version,utilization.gpu"
 
 GpuProbe = Callable[[], tuple[list[dict[str, Any]], str | None]]
 
@@ -91,33 +93,44 @@ def probe_gpus(timeout: float = 10.0) -> tuple[list[dict[str, Any]], str | None]
         return [], NVIDIA_SMI_ABSENT
     try:
         result = subprocess.run(
-            [smi, "--query-gpu=index,uuid,name,memory.total,memory.used,driver_version",
-             "--format=csv,noheader,nounits"],
+            [smi, f"--query-gpu={GPU_QUERY}", "--format=csv,noheader,nounits"],
             capture_output=True, text=True, timeout=timeout, check=False,
         )  # fmt: skip
     except (OSError, subprocess.TimeoutExpired) as exc:
         return [], f"nvidia-smi failed: {exc}"
     if result.returncode != 0:
         return [], f"nvidia-smi exited with {result.returncode}: {result.stderr.strip()[:200]}"
+    return parse_gpus(result.stdout), None
+
+
+def parse_gpus(stdout: str) -> list[dict[str, Any]]:
+    """The GPUs of ``nvidia-smi --query-gpu=GPU_QUERY --format=csv,noheader,nounits``.
+
+    A line without the six fields /info needs is skipped; ``utilizationPercent`` (for the
+    telemetry, docs/decisions.md D61) is absent where nvidia-smi reports ``[N/A]`` (MIG
+    instances, some drivers), never zero.
+    """
     gpus = []
-    for line in result.stdout.strip().splitlines():
+    for line in stdout.strip().splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 6:
             continue
         try:
-            gpus.append(
-                {
-                    "index": int(parts[0]),
-                    "uuid": parts[1],
-                    "name": parts[2],
-                    "memoryTotalBytes": int(float(parts[3]) * 2**20),
-                    "memoryUsedBytes": int(float(parts[4]) * 2**20),
-                    "driverVersion": parts[5],
-                }
-            )
+            gpu: dict[str, Any] = {
+                "index": int(parts[0]),
+                "uuid": parts[1],
+                "name": parts[2],
+                "memoryTotalBytes": int(float(parts[3]) * 2**20),
+                "memoryUsedBytes": int(float(parts[4]) * 2**20),
+                "driverVersion": parts[5],
+            }
         except ValueError:
             continue
-    return gpus, None
+        if len(parts) > 6:
+            with contextlib.suppress(ValueError):
+                gpu["utilizationPercent"] = float(parts[6])
+        gpus.append(gpu)
+    return gpus
 
 
 def _default_probe() -> tuple[list[dict[str, Any]], str | None]:

@@ -1,6 +1,7 @@
 """Host telemetry (psutil) and the node's health reasons.
 
-Telemetry is a plain snapshot taken on demand. Health is a set of reason codes,
+Telemetry is sampled every 5 s in the background (:class:`Telemetry`); the endpoint
+answers the latest sample. Health is a set of reason codes,
 recomputed every HealthCheckIntervalSeconds; a ``health`` event goes out only when the
 set of codes changes, so the master's stream is not flooded with identical states.
 """
@@ -16,16 +17,35 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import psutil
 
 from agent._util import utc_now_iso
 from agent.state import EventBus
+from agent.telemetry._describe import GpuSampler
+from agent.telemetry._engines import (
+    MAX_METRICS_BYTES,
+    SCRAPE_TIMEOUT_SECONDS,
+    EngineTarget,
+    GroupMeter,
+    MetricsError,
+    scrape,
+)
 
 __all__ = ["HealthMonitor", "Telemetry", "host_facts"]
 
 log = logging.getLogger("mirbad.agent.telemetry")
 
 MODEL_ROOT_LOW_FRACTION = 0.05
+# The per-GPU fields of a telemetry sample (a field the probe could not read is absent).
+TELEMETRY_GPU_FIELDS = (
+    "index",
+    "uuid",
+    "name",
+    "memoryTotalBytes",
+    "memoryUsedBytes",
+    "utilizationPercent",
+)
 _GIB = 1024**3
 
 
@@ -49,13 +69,41 @@ def _existing(path: Path) -> Path:
 
 
 class Telemetry:
-    """psutil samples of CPU, load, memory and the two disks the agent cares about."""
+    """The 5-second sampler: CPU, load, memory, disks, GPUs and every running engine.
 
-    def __init__(self, *, models_root: Path, state_directory: Path) -> None:
+    :meth:`start` runs :meth:`collect` every ``interval`` seconds and keeps the latest
+    sample; :meth:`current` answers it (taking one at once when there is none yet). The
+    blocking parts (psutil, the process-group scan, nvidia-smi) run in threads, and the
+    engines' ``/metrics`` are scraped concurrently, so nothing waits on the event loop
+    (docs/decisions.md D61).
+    """
+
+    def __init__(
+        self,
+        *,
+        models_root: Path,
+        state_directory: Path,
+        engines: Callable[[], list[EngineTarget]] | None = None,
+        gpus: GpuSampler | None = None,
+        interval: float = 5.0,
+        scrape_timeout: float = SCRAPE_TIMEOUT_SECONDS,
+        max_metrics_bytes: int = MAX_METRICS_BYTES,
+    ) -> None:
         self._paths = [models_root, state_directory]
+        self._engines = engines or list
+        self._gpus = gpus
+        self._interval = interval
+        self._scrape_timeout = scrape_timeout
+        self._max_metrics_bytes = max_metrics_bytes
+        self._meter = GroupMeter()
+        self._latest: dict[str, Any] | None = None
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
         # cpu_percent(interval=None) compares against the previous call; priming it here
         # makes the first real sample meaningful without ever blocking the event loop.
         psutil.cpu_percent(interval=None)
+        psutil.cpu_percent(interval=None, percpu=True)
 
     def disk(self, path: Path) -> dict[str, Any]:
         usage = psutil.disk_usage(str(_existing(path)))
@@ -67,7 +115,7 @@ class Telemetry:
         }
 
     def sample(self) -> dict[str, Any]:
-        """One telemetry sample in the contract's shape."""
+        """The host part of a sample: CPU, load, memory, disks (blocking; use a thread)."""
         memory = psutil.virtual_memory()
         try:
             load = [round(v, 2) for v in os.getloadavg()]
@@ -80,6 +128,7 @@ class Telemetry:
         return {
             "time": utc_now_iso(),
             "cpuPercent": psutil.cpu_percent(interval=None),
+            "cpuPerCore": psutil.cpu_percent(interval=None, percpu=True),
             "cpuCount": psutil.cpu_count() or 1,
             "load": load,
             "memory": {
@@ -90,6 +139,88 @@ class Telemetry:
             },
             "disks": disks,
         }
+
+    def _host_and_groups(self, leaders: list[int]) -> tuple[dict[str, Any], dict[int, Any]]:
+        return self.sample(), self._meter.measure(leaders)
+
+    async def _gpu_list(self) -> list[dict[str, Any]]:
+        if self._gpus is None:
+            return []
+        gpus, _ = await self._gpus.current()
+        return [{k: g[k] for k in TELEMETRY_GPU_FIELDS if k in g} for g in gpus]
+
+    async def _metrics(self, target: EngineTarget) -> dict[str, Any]:
+        if not target.ready or target.port is None:
+            return {"metricsError": f"not scraped: the instance is {target.state}"}
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(force_close=True, limit=0)
+            )
+        try:
+            found = await scrape(
+                self._session,
+                target.port,
+                target.key,
+                time_limit=self._scrape_timeout,
+                max_bytes=self._max_metrics_bytes,
+            )
+        except MetricsError as exc:
+            return {"metricsError": str(exc)}
+        return {"metrics": found}
+
+    async def collect(self) -> dict[str, Any]:
+        """Take one full sample now and keep it as the latest."""
+        async with self._lock:
+            targets = self._engines()
+            host_groups, gpus, *scraped = await asyncio.gather(
+                asyncio.to_thread(self._host_and_groups, [t.pid for t in targets]),
+                self._gpu_list(),
+                *(self._metrics(t) for t in targets),
+            )
+            host, groups = host_groups
+            engines = []
+            for target, metrics in zip(targets, scraped, strict=True):
+                group = groups.get(target.pid, {"cpuPercent": 0.0, "rssBytes": 0})
+                engines.append(
+                    {
+                        "instanceId": target.instance_id,
+                        "state": target.state,
+                        "pid": target.pid,
+                        **group,
+                        **metrics,
+                    }
+                )
+            self._latest = {**host, "gpus": gpus, "engines": engines}
+            return self._latest
+
+    async def current(self) -> dict[str, Any]:
+        """The latest sample, or one taken now when the sampler has none yet."""
+        if self._latest is None:
+            return await self.collect()
+        return self._latest
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.collect()
+            except Exception:
+                log.exception("The telemetry sample failed")
+            await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        """Sample every ``interval`` seconds in the background."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="telemetry-sampler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
 
 
 def check_models_root(models_root: Path) -> dict[str, str] | None:

@@ -87,10 +87,7 @@ class ModelViewSet(viewsets.GenericViewSet):
 
     @extend_schema(responses={204: None, **errors(404, 409)})
     def destroy(self, request: Request, model_id: int) -> Response:
-        model = services.get_model(model_id)
-        if model.desired_state == "running":
-            raise ServiceError(409, "model_running", "Stop the model before deleting it.")
-        model.delete()
+        services.delete_model(services.get_model(model_id))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
     @extend_schema(

@@ -77,6 +77,16 @@ class KeyListSerializer(serializers.Serializer[dict[str, Any]]):
     keys = KeySerializer(many=True)
 
 
+def _with_errors(
+    fields: dict[str, serializers.Field[Any, Any, Any, Any]],
+) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+    # "errors" cannot be a declared field: Serializer.errors is the validation errors.
+    fields["errors"] = serializers.IntegerField(
+        help_text="Requests answered with 400 or more, or cut by an error inside a stream"
+    )
+    return fields
+
+
 class UsageRowSerializer(serializers.Serializer[dict[str, Any]]):
     """One key and model's sums over the range (router.usage.usage_summary's row)."""
 
@@ -89,6 +99,9 @@ class UsageRowSerializer(serializers.Serializer[dict[str, Any]]):
     completionTokens = serializers.IntegerField(source="completion_tokens")
     totalTokens = serializers.SerializerMethodField()
 
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        return _with_errors(super().get_fields())
+
     def get_totalTokens(self, row: dict[str, Any]) -> int:
         return int(row["prompt_tokens"] + row["completion_tokens"])
 
@@ -98,6 +111,9 @@ class UsageTotalsSerializer(serializers.Serializer[dict[str, Any]]):
     promptTokens = serializers.IntegerField()
     completionTokens = serializers.IntegerField()
     totalTokens = serializers.IntegerField()
+
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        return _with_errors(super().get_fields())
 
 
 class UsageSummarySerializer(serializers.Serializer[dict[str, Any]]):

@@ -52,7 +52,7 @@ class UsageSummary(GenericAPIView[Any]):
         items = UsageRowSerializer(rows, many=True).data  # type: ignore[arg-type]  # see above
         totals = {
             name: sum(item[name] for item in items)
-            for name in ("requests", "promptTokens", "completionTokens", "totalTokens")
+            for name in ("requests", "promptTokens", "completionTokens", "totalTokens", "errors")
         }
         return Response(
             {

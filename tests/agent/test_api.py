@@ -55,7 +55,11 @@ async def test_status_and_telemetry(running_agent: RunningAgent) -> None:
     assert body["instances"] == []
     status, tele = await get_json(running_agent, "/agent/v1/telemetry")
     assert status == 200
-    assert set(tele) == {"time", "cpuPercent", "cpuCount", "load", "memory", "disks"}
+    assert set(tele) == {
+        "time", "cpuPercent", "cpuPerCore", "cpuCount", "load", "memory", "disks", "gpus",
+        "engines",
+    }  # fmt: skip
+    assert tele["engines"] == [] and tele["gpus"] == []
     assert len(tele["load"]) == 3
     assert tele["memory"]["totalBytes"] > 0
     paths = [d["path"] for d in tele["disks"]]
@@ -201,7 +205,7 @@ async def test_unknown_instance(running_agent: RunningAgent) -> None:
 
 
 async def test_mutations_finish_when_the_client_hangs_up() -> None:
-    from agent.http._server import _complete
+    from agent.http._complete import complete as _complete
 
     finished = asyncio.Event()
 

@@ -3,19 +3,22 @@ on an enrolled state directory, killable, with the master's side in this process
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from agent.identity._tls import generate_key_and_csr, load_identity, store_identity
-from nodes import services
+from nodes import rotation, services
 from nodes.agent_client import AgentClient, AgentError
-from nodes.models import Node
+from nodes.models import CertRotation, Node
 from tests.e2e.conftest import ROOT, free_port, outside_env
+from tests.e2e.dropping_proxy import DroppingProxy
 
 
 class RotationAgent:
@@ -98,3 +101,37 @@ def enroll_for_rotation(folder: Path, node_id: str) -> Node:
     node.facts = {"features": ["pki.rotation"]}
     node.save()
     return node
+
+
+@contextlib.contextmanager
+def rotation_rig(
+    folder: Path, node_id: str, *, lossy: bool = False
+) -> Iterator[tuple[Node, RotationAgent, DroppingProxy | None]]:
+    """An enrolled node and its running agent, ready; with ``lossy`` the master reaches it
+    through a DroppingProxy. The agent's log is printed when the body fails."""
+    node = enroll_for_rotation(folder, node_id)
+    agent = RotationAgent(folder, node_id)
+    proxy = DroppingProxy(upstream_port=agent.port).start() if lossy else None
+    node.address = f"https://127.0.0.1:{proxy.port if proxy else agent.port}"
+    node.save()
+    agent.start()
+    try:
+        agent.wait_ready(node)
+        yield node, agent, proxy
+    except BaseException:
+        print(agent.log_tail())
+        raise
+    finally:
+        agent.stop()
+        if proxy is not None:
+            proxy.stop()
+
+
+def beat_passes(rotation_id: str, passes: int = 10) -> CertRotation:
+    """Advance the rotation as the beat's hourly check would, until it closes."""
+    done = CertRotation.objects.get(rotation_id=rotation_id)
+    for _ in range(passes):
+        done = rotation.advance(rotation_id)
+        if not done.open:
+            break
+    return done

@@ -49,7 +49,7 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
         browser = pw.chromium.launch(
             executable_path=str(CHROMIUM), args=ARGS, headless=True, env={**os.environ}
         )
-        page = browser.new_page()
+        page = browser.new_context().new_page()  # more pages of the same session below
         page.goto(f"{stack.url}/")
         assert "/login/" in page.url  # the console needs a login
         page.fill("input[name=username]", user)
@@ -57,7 +57,7 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
         page.click("#login")
         page.wait_for_url(f"{stack.url}/")
         expect(page.locator("#live")).to_have_text("live", timeout=10_000)
-        node_state = page.locator('tr[data-node="local"] .state')
+        node_state = page.locator('tr[data-node="local"] .state .badge')
         expect(node_state).to_have_text("Online", timeout=15_000)
         page.evaluate("window.__noReload = 42")
 
@@ -71,24 +71,33 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
                 "node": "local",
             },
         ).json()
+        # The Models page beside the Overview, in the same session.
+        models = page.context.new_page()
+        models.goto(f"{stack.url}/models/")
+        expect(models.locator("#live")).to_have_text("live", timeout=10_000)
+        models.evaluate("window.__noReload = 42")
         assert api.post(f"/api/models/{created['id']}/start").status_code == 202
-        model_state = page.locator(f'tr[data-model="{created["id"]}"] .state')
+        model_state = models.locator(f'tr[data-model="{created["id"]}"] .state .badge')
         expect(model_state).to_have_text("Ready", timeout=60_000)
         # What the engine really uses arrives with the Ready event.
-        measured = page.locator(f'tr[data-model="{created["id"]}"] .measured')
+        measured = models.locator(f'tr[data-model="{created["id"]}"] .measured')
         expect(measured).to_have_text(re.compile(r"^\d+\.\d\d GiB$"), timeout=10_000)
+        expect(page.locator("#tile-models")).to_contain_text("1 / 1", timeout=10_000)
 
         # A download's progress appears live, with a total because the hub sent sizes.
         hub.add_repo(
             "mirbad/live-GGUF",
             {"live.gguf": (stack.data / "models" / "tiny" / "tiny.gguf").read_bytes()},
         )
+        downloads = page.context.new_page()
+        downloads.goto(f"{stack.url}/downloads/")
+        expect(downloads.locator("#live")).to_have_text("live", timeout=10_000)
         posted = api.post(
             "/api/downloads",
             json={"folder": "live", "repoId": "mirbad/live-GGUF", "variant": "live.gguf"},
         )
         assert posted.status_code == 202, posted.text
-        download = page.locator('tr[data-download="local/live"]')
+        download = downloads.locator('tr[data-download="local/live"]')
         expect(download.locator(".state")).to_have_text("Completed", timeout=30_000)
         expect(download.locator(".progress")).to_have_text(re.compile(r"\(100 %\)$"))
         cpu = page.locator('tr[data-node="local"] .cpu')
@@ -109,6 +118,7 @@ def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureReques
         expect(node_state).to_have_text("Online", timeout=30_000)
         expect(model_state).to_have_text("Ready", timeout=15_000)
         assert page.evaluate("window.__noReload") == 42, "the page was reloaded"
+        assert models.evaluate("window.__noReload") == 42, "the Models page was reloaded"
 
         # The node page: "Rotate certificate" there, then the rotation followed live
         # (Celery drives it; the pin grace holds it at CertIssued a few seconds) to the

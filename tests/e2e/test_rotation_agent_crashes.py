@@ -15,7 +15,7 @@ import pytest
 
 from nodes import rotation
 from nodes.models import CertRotation
-from tests.e2e.rotation_support import RotationAgent, enroll_for_rotation
+from tests.e2e.rotation_support import beat_passes, rotation_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
@@ -33,14 +33,8 @@ def test_the_agent_killed_at_every_point_of_a_rotation(
     settings: Any, master_identity: Any, tmp_path: Path
 ) -> None:
     settings.MIRBAD = replace(settings.MIRBAD, rotation_pin_grace_seconds=0.0)
-    node = enroll_for_rotation(tmp_path, "crashy")
-    agent = RotationAgent(tmp_path, "crashy")
-    node.address = f"https://127.0.0.1:{agent.port}"
-    node.save()
-    agent.start()
     outcomes: dict[int, list[str]] = {point: [] for point in POINTS}
-    try:
-        agent.wait_ready(node)
+    with rotation_rig(tmp_path, "crashy") as (node, agent, _):
         for point, stage in POINTS.items():
             for _ in range(RUNS):
                 opened = rotation.request_rotation("crashy")
@@ -50,17 +44,7 @@ def test_the_agent_killed_at_every_point_of_a_rotation(
                 agent.kill()
                 agent.start()
                 agent.wait_ready(node)
-                done = opened
-                for _ in range(10):  # the beat's passes
-                    done = rotation.advance(opened.rotation_id)
-                    if not done.open:
-                        break
-                outcomes[point].append(done.stage)
+                outcomes[point].append(beat_passes(opened.rotation_id).stage)
                 agent.assert_on_the_pinned_certificate(node)
         # Killing the agent never costs a rotation that was under way: each one commits.
         assert outcomes == {point: [Stage.COMMITTED] * RUNS for point in POINTS}, outcomes
-    except BaseException:
-        print(agent.log_tail())
-        raise
-    finally:
-        agent.stop()

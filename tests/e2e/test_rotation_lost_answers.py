@@ -23,7 +23,7 @@ from nodes.agent_client import AgentUnreachable
 from nodes.models import AuditEvent, CertRotation, Node
 from protocol.identity import key_spki_sha256
 from tests.e2e.dropping_proxy import DroppingProxy
-from tests.e2e.rotation_support import RotationAgent, enroll_for_rotation
+from tests.e2e.rotation_support import RotationAgent, beat_passes, rotation_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(300)]
 
@@ -35,21 +35,10 @@ def rig(
     settings: Any, master_identity: Any, tmp_path: Path
 ) -> Iterator[tuple[Node, RotationAgent, DroppingProxy]]:
     settings.MIRBAD = replace(settings.MIRBAD, rotation_pin_grace_seconds=0.0)
-    node = enroll_for_rotation(tmp_path, "lossy")
-    agent = RotationAgent(tmp_path, "lossy")
-    proxy = DroppingProxy(upstream_port=agent.port).start()
-    node.address = f"https://127.0.0.1:{proxy.port}"  # every call of the master goes through
-    node.save()
-    agent.start()
-    try:
-        agent.wait_ready(node)
+    # Every call of the master goes through the proxy.
+    with rotation_rig(tmp_path, "lossy", lossy=True) as (node, agent, proxy):
+        assert proxy is not None
         yield node, agent, proxy
-    except BaseException:
-        print(agent.log_tail())
-        raise
-    finally:
-        agent.stop()
-        proxy.stop()
 
 
 def _agent_record(agent: RotationAgent, rotation_id: str) -> dict[str, Any]:
@@ -72,11 +61,7 @@ def _lose_one(proxy: DroppingProxy, rotation_id: str, *, after: int = 0) -> Cert
 
 
 def _finish(node: Node, agent: RotationAgent, rotation_id: str) -> CertRotation:
-    done = CertRotation.objects.get(rotation_id=rotation_id)
-    for _ in range(10):  # the beat's passes
-        done = rotation.advance(rotation_id)
-        if not done.open:
-            break
+    done = beat_passes(rotation_id)
     assert done.stage == Stage.COMMITTED, (done.stage, done.last_error)
     agent.assert_on_the_pinned_certificate(node)
     stages = list(

@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from nodes import rotation
 from nodes.models import AuditEvent, CertRotation
-from tests.e2e.rotation_support import RotationAgent, enroll_for_rotation
+from tests.e2e.rotation_support import beat_passes, rotation_rig
 
 pytestmark = [pytest.mark.slow, pytest.mark.django_db(transaction=True), pytest.mark.timeout(900)]
 
@@ -89,14 +89,8 @@ def test_the_master_killed_after_every_stage_of_a_rotation(
     settings.MIRBAD = replace(
         settings.MIRBAD, rotation_pin_grace_seconds=0.0, rotation_lease_seconds=LEASE
     )
-    node = enroll_for_rotation(tmp_path, "crashy")
-    agent = RotationAgent(tmp_path, "crashy")
-    node.address = f"https://127.0.0.1:{agent.port}"
-    node.save()
-    agent.start()
     outcomes: dict[str, list[str]] = {stage: [] for stage in STAGES}
-    try:
-        agent.wait_ready(node)
+    with rotation_rig(tmp_path, "crashy") as (node, agent, _):
         for stage in STAGES:
             for _ in range(RUNS):
                 opened = rotation.request_rotation("crashy")
@@ -109,12 +103,7 @@ def test_the_master_killed_after_every_stage_of_a_rotation(
                 if timezone.now() < dead.lease_until - dt.timedelta(seconds=0.1):
                     assert rotation.advance(opened.rotation_id).updated_at == dead.updated_at
                 time.sleep(max((dead.lease_until - timezone.now()).total_seconds(), 0) + 0.05)
-                done = dead
-                for _ in range(10):  # the beat's passes
-                    done = rotation.advance(opened.rotation_id)
-                    if not done.open:
-                        break
-                outcomes[stage].append(done.stage)
+                outcomes[stage].append(beat_passes(opened.rotation_id).stage)
                 agent.assert_on_the_pinned_certificate(node)
                 stored = AuditEvent.objects.filter(
                     subject=opened.rotation_id, action="rotation.stage"
@@ -123,8 +112,3 @@ def test_the_master_killed_after_every_stage_of_a_rotation(
                 kept = list(stored.values_list("detail__stage", flat=True))
                 assert sorted(kept) == sorted(set(kept)), (stage, kept)
         assert outcomes == {stage: [Stage.COMMITTED] * RUNS for stage in STAGES}, outcomes
-    except BaseException:
-        print(agent.log_tail())
-        raise
-    finally:
-        agent.stop()

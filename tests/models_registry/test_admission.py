@@ -68,7 +68,7 @@ def test_fits_when_the_card_has_room() -> None:
         status=gpu_status(2.0),
         starting_budgets={},
     )
-    assert lines[0].fits and lines[0].text().endswith("· fits")
+    assert lines[0].fits and lines[0].text().endswith(" - fits")
     admission.refuse_unless_fits("m", gpu_node(), lines)  # does not raise
 
 
@@ -134,7 +134,7 @@ def test_unified_memory_uses_available_minus_reserve() -> None:
     )[0]  # fmt: skip
     assert not line.fits
     assert line.text() == (
-        "host memory: needs 7.0 GiB, 6.0 GiB free after the 4.0 GiB reserve · does not fit"
+        "host memory: needs 7.0 GiB, 6.0 GiB free after the 4.0 GiB reserve - does not fit"
     )
     no_report = admission.check(
         node=node, gpu_uuids=[], gpu_budgets=[], budget=GIB, status=None, starting_budgets={}

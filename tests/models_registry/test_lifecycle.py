@@ -57,7 +57,7 @@ async def test_admission_refuses_with_numbers_and_force_skips_only_memory(
     (placement,) = estimate["placements"]
     assert placement["breakdown"]["budget"] == placement["budgetBytes"] > 0
     assert placement["fits"] is False
-    assert "free after the 524288.0 GiB reserve · does not fit" in placement["lines"][0]["text"]
+    assert "free after the 524288.0 GiB reserve - does not fit" in placement["lines"][0]["text"]
 
     refused = await post(f"/api/models/{model.pk}/start", {}, format="json")
     assert refused.status_code == 409, refused.json()

@@ -38,7 +38,7 @@ def test_state_rules() -> None:
 
 
 @pytest.mark.django_db
-def test_overview_needs_login_and_lists_nodes_and_models(operator, status_redis) -> None:
+def test_overview_needs_login_and_lists_nodes_and_counts_models(operator, status_redis) -> None:
     client = Client()
     response = client.get("/")
     assert response.status_code == 302 and response["Location"].startswith("/login/")
@@ -47,8 +47,10 @@ def test_overview_needs_login_and_lists_nodes_and_models(operator, status_redis)
     make_model("demo", node)
     client.force_login(operator)
     page = client.get("/").content.decode()
-    assert 'data-node="n1"' in page and "Online" in page and "4.0 / 10.0 GiB (40 %)" in page
-    assert "demo" in page and "live.js" in page
+    assert 'data-node="n1"' in page and "Online" in page and "4.0 / 10.0 GiB" in page
+    assert '<meter min="0" max="100" value="40"' in page
+    assert "<strong>0 / 1</strong> models Ready / placed" in page and "live.js" in page
+    assert "demo" in client.get("/models/").content.decode()  # listed on the Models page
 
 
 @pytest.mark.django_db(transaction=True)
@@ -137,10 +139,14 @@ def test_console_add_node_and_actions(operator, viewer, status_redis) -> None:
     client.force_login(viewer)
     assert client.get("/nodes/add/").status_code == 302  # not staff: back to login
     client.force_login(operator)
-    page = client.post("/nodes/add/", {"node_id": "gpu-1"}).content.decode()
+    created = client.post("/nodes/add/", {"node_id": "gpu-1"})
+    assert created.status_code == 302 and created["Location"] == "/nodes/add/"
+    page = client.get("/nodes/add/").content.decode()
     assert 'id="join-token"' in page and "--node-id gpu-1" in page
-    bad = client.post("/nodes/add/", {"node_id": "Not Valid"}).content.decode()
-    assert "nodeId: use lower-case letters" in bad
+    assert 'id="loopback-warning"' in page  # the default enroll URL is 127.0.0.1
+    assert 'id="join-token"' not in client.get("/nodes/add/").content.decode()  # shown once
+    bad = client.post("/nodes/add/", {"node_id": "Not Valid"})
+    assert bad.status_code == 400 and "nodeId: use lower-case letters" in bad.content.decode()
     token = services.create_join_token(node_id="gpu-2")["token"]
     from tests.nodes.test_join import _csr
 
@@ -149,7 +155,8 @@ def test_console_add_node_and_actions(operator, viewer, status_redis) -> None:
     assert 'data-action="approve"' in overview and "PendingApproval" in overview
     assert client.post("/nodes/gpu-2/approve/").status_code == 302
     assert Node.objects.get(node_id="gpu-2").approved
-    rekey = client.post("/nodes/gpu-2/rekey/").content.decode()
+    assert client.post("/nodes/gpu-2/rekey/").status_code == 302
+    rekey = client.get("/nodes/add/").content.decode()
     assert "Rekey gpu-2" in rekey and "--force" in rekey and 'id="join-token"' in rekey
     assert client.post("/nodes/gpu-2/drain/").status_code == 302
     assert Node.objects.get(node_id="gpu-2").draining
@@ -193,11 +200,13 @@ def test_console_shows_the_certificate_and_rotates_it(operator, status_redis) ->
     node.save()
     client = Client()
     client.force_login(operator)
-    page = client.get("/").content.decode()
-    assert "until 2027-03-01 08:00 UTC" in page and 'data-action="rotate"' in page
+    assert "until 2027-03-01 08:00 UTC" in client.get("/").content.decode()
+    page = client.get("/nodes/n1/").content.decode()
+    assert 'data-action="rotate"' in page
     assert client.post("/nodes/n1/rotate/").status_code == 302
     opened = CertRotation.objects.get(node=node, open=True)
     assert opened.reason == "operator"
     assert 'data-rotation="Requested"' in client.get("/").content.decode()
-    again = client.post("/nodes/n1/rotate/")
-    assert again.status_code == 409 and "rotation open already" in again.content.decode()
+    again = client.post("/nodes/n1/rotate/", {"back": "node"})
+    assert again.status_code == 302  # post/redirect/get: the refusal is a message
+    assert "rotation open already" in client.get("/nodes/n1/").content.decode()

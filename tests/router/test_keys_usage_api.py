@@ -111,10 +111,12 @@ def test_usage_summary_per_key_and_model(operator_client: APIClient) -> None:
     assert got[("alpha", "m1")] == {
         "keyId": a.pk, "keyPrefix": a.prefix, "keyName": "alpha", "model": "m1",
         "requests": 5, "promptTokens": 50, "completionTokens": 15, "totalTokens": 65,
+        "errors": 0,
     }  # fmt: skip
     assert body["usage"][0]["keyId"] == b.pk  # the most tokens first
     assert body["totals"] == {
-        "requests": 10, "promptTokens": 157, "completionTokens": 66, "totalTokens": 223
+        "requests": 10, "promptTokens": 157, "completionTokens": 66, "totalTokens": 223,
+        "errors": 0,
     }  # fmt: skip
     only_a = operator_client.get(
         "/api/usage", {"from": "2026-11-30", "to": "2026-12-01", "key": a.pk, "model": "m2"}
@@ -155,10 +157,10 @@ def test_usage_csv(operator_client: APIClient) -> None:
     rows = list(csv.reader(io.StringIO(b"".join(response.streaming_content).decode())))
     assert rows == [
         list(usage.CSV_HEADER),
-        ["2026-11-30T22:00:00Z", a.prefix, "alpha", "m1", "3", "30", "10"],
-        ["2026-11-30T23:00:00Z", a.prefix, "alpha", "m1", "2", "20", "5"],
-        ["2026-11-30T23:00:00Z", a.prefix, "alpha", "m2", "1", "7", "1"],
-        ["2026-12-01T00:00:00Z", b.prefix, "'=beta", "m1", "4", "100", "50"],
+        ["2026-11-30T22:00:00Z", a.prefix, "alpha", "m1", "3", "30", "10", "0"],
+        ["2026-11-30T23:00:00Z", a.prefix, "alpha", "m1", "2", "20", "5", "0"],
+        ["2026-11-30T23:00:00Z", a.prefix, "alpha", "m2", "1", "7", "1", "0"],
+        ["2026-12-01T00:00:00Z", b.prefix, "'=beta", "m1", "4", "100", "50", "0"],
     ]
 
 

@@ -157,3 +157,21 @@ async def _sync(fn, *args, **kwargs):
     from asgiref.sync import sync_to_async
 
     return await sync_to_async(fn)(*args, **kwargs)
+
+
+async def test_an_error_after_admission_is_counted_in_the_keys_usage(
+    chat_key: str, status_redis: object
+) -> None:
+    """The request is metered once, and its error beside it (the usage page's errors)."""
+    app = RouterApp()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://router")
+    node = await _sync(make_node, "n1")
+    model = await _sync(make_model, "m", node)
+    placement = await _sync(lambda: model.placements.get())
+    await _sync(set_status, node, "Online", {placement.instance_id: {"state": "Starting"}})
+    response = await client.post(
+        "/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {chat_key}"}
+    )
+    assert response.status_code == 503
+    pending = app.meter.pending()
+    assert [(bucket[2], counts) for bucket, counts in pending.items()] == [("m", (1, 0, 0, 1))]

@@ -94,7 +94,7 @@ async def test_a_failed_flush_keeps_everything_for_the_next(
     monkeypatch.setattr(usage, "write_deltas", broken)
     with pytest.raises(ConnectionError):
         await meter.flush()
-    assert list(meter.pending().values()) == [(1, 3, 4)]
+    assert list(meter.pending().values()) == [(1, 3, 4, 0)]
     monkeypatch.setattr(usage, "write_deltas", real)
     await meter.flush()
     assert (await _rows())[0][4:] == (1, 3, 4)
@@ -114,7 +114,7 @@ async def test_records_made_during_a_flush_stay_for_the_next(
 
     monkeypatch.setattr(usage, "write_deltas", slow)
     await meter.flush()
-    assert list(meter.pending().values()) == [(1, 100, 200)]
+    assert list(meter.pending().values()) == [(1, 100, 200, 0)]
     monkeypatch.setattr(usage, "write_deltas", real)
     await meter.flush()
     assert (await _rows())[0][4:] == (2, 103, 204)
@@ -154,9 +154,11 @@ async def test_processes_racing_to_create_one_row_all_count() -> None:
     bucket = (key.id, key.prefix, "m", HOUR)
     loop = asyncio.get_running_loop()
     await asyncio.gather(
-        *(loop.run_in_executor(None, usage.write_deltas, {bucket: (1, 2, 3)}) for _ in range(8))
+        *(loop.run_in_executor(None, usage.write_deltas, {bucket: (1, 2, 3, 1)}) for _ in range(8))
     )
     assert await _rows() == [(key.id, key.prefix, "m", _hour(HOUR), 8, 16, 24)]
+    errors = await sync_to_async(lambda: UsageRecord.objects.get().errors)()
+    assert errors == 8
 
 
 async def test_csv_streams_under_asgi(admin_key: str) -> None:
@@ -179,7 +181,7 @@ async def test_csv_streams_under_asgi(admin_key: str) -> None:
     assert response.status_code == 200, response.text
     assert response.text.splitlines() == [
         ",".join(usage.CSV_HEADER),
-        f"{_hour(HOUR):%Y-%m-%dT%H:%M:%SZ},{key.prefix},exported,m,1,5,6",
+        f"{_hour(HOUR):%Y-%m-%dT%H:%M:%SZ},{key.prefix},exported,m,1,5,6,0",
     ]
 
 
@@ -230,3 +232,18 @@ async def test_a_flush_moves_last_used_at_forward_never_back() -> None:
     await meter.flush()
     assert await last_used() == _hour(HOUR + 900)
     assert await meter.flush() == 0  # nothing left to write, not even the time
+
+
+async def test_an_error_counts_beside_its_request() -> None:
+    """record_error adds to the request's own bucket: requests stay counted once."""
+    meter = usage.UsageMeter(clock=Clock(HOUR))
+    key = await _key()
+    meter.record(key, "m", prompt_tokens=2, completion_tokens=0)
+    meter.record_error(key, "m")
+    meter.record(key, "m", prompt_tokens=1, completion_tokens=1)
+    assert list(meter.pending().values()) == [(2, 3, 1, 1)]
+    await meter.flush()
+    rows = await sync_to_async(
+        lambda: list(UsageRecord.objects.values_list("requests", "errors"))
+    )()
+    assert rows == [(2, 1)]

@@ -7,7 +7,8 @@ state), ``_records`` (``processes.json``, written atomically), ``_adoption`` and
 ``_handle`` (the process handle, logs and ports).
 """
 
+from agent.engines.process._handle import cap_log, engine_log_path
 from agent.engines.process._leftovers import stop_recorded_engines
 from agent.engines.process._runtime import ProcessRuntime
 
-__all__ = ["ProcessRuntime", "stop_recorded_engines"]
+__all__ = ["ProcessRuntime", "cap_log", "engine_log_path", "stop_recorded_engines"]

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,8 @@ __all__ = [
     "AdoptedProcess",
     "EngineProcess",
     "PortAllocator",
+    "cap_log",
+    "engine_log_path",
     "exit_text",
     "open_log",
     "open_pidfd",
@@ -45,6 +48,10 @@ log = logging.getLogger("mirbad.agent.process")
 
 LOG_ROTATE_BYTES = 50 * 1024 * 1024
 LOG_TAIL_LINES = 400
+# While an engine runs its log is capped (docs/decisions.md D62): past LOG_CAP_BYTES its
+# last LOG_CAP_KEEP_BYTES go to ``<name>.1`` and the file is truncated in place.
+LOG_CAP_BYTES = 64 * 1024 * 1024
+LOG_CAP_KEEP_BYTES = 8 * 1024 * 1024
 
 
 def exit_text(code: int | None) -> str:
@@ -292,6 +299,49 @@ def _rotate(path: Path) -> None:
         if older.exists():
             os.replace(older, path.with_name(path.name + ".2"))
         os.replace(path, older)
+
+
+def engine_log_path(state_directory: Path, instance_id: str) -> Path:
+    """The file an instance's engine writes its output to (``logs/ss-<instanceId>.log``)."""
+    return state_directory / "logs" / f"ss-{instance_id}.log"
+
+
+def cap_log(path: Path, cap: int = LOG_CAP_BYTES, keep: int = LOG_CAP_KEEP_BYTES) -> bool:
+    """Copy-truncate ``path`` once it is larger than ``cap``; True when it did.
+
+    The engine keeps the file open, so it cannot be renamed away (the engine would go on
+    writing to the renamed file). It writes with O_APPEND (:func:`open_log`), so after
+    the truncation its next write lands at the new end, offset 0, leaving no hole. The
+    last ``keep`` bytes (from a line start) go to ``<name>.1`` first, the previous ``.1``
+    to ``.2``. What the engine writes between the copy and the truncation is lost: a
+    few lines at most, once per ``cap`` bytes.
+    """
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return False
+    if size <= cap:
+        return False
+    older = path.with_name(path.name + ".1")
+    staged = path.with_name(path.name + ".1.part")
+    try:
+        with open(path, "rb") as source, open(staged, "wb") as target:
+            start = max(0, size - keep)
+            source.seek(start)
+            if start:
+                source.readline()  # the cut line's end: .1 starts on a whole line
+            shutil.copyfileobj(source, target)
+        if older.exists():
+            os.replace(older, path.with_name(path.name + ".2"))
+        os.replace(staged, older)
+        os.truncate(path, 0)
+    except OSError as exc:
+        log.warning("Could not cap the engine log %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            staged.unlink()
+        return False
+    log.info("Capped the engine log %s at %d bytes (its tail is in %s)", path, size, older.name)
+    return True
 
 
 def open_log(path: Path, header: str) -> tuple[BinaryIO, int]:

@@ -1,79 +1,148 @@
-// Live updates of the console's pages: one websocket per page (the Overview's "fleet"
-// group, a node page's "node.<id>"), typed events; every cell is rendered as the
-// server renders it (console/templates/console/*.html), so a live page equals a reload.
+// Live updates of the Overview, the Nodes list and a node's page over one websocket
+// (socket.js): the Overview and the Nodes list follow the "fleet" group, a node page its
+// "node.<id>" group (nodes/events.py names the typed events).
+//
+// A row is never assembled here from pieces: when a node appears or changes state,
+// reasons, approval or draining, its <tr> is fetched as the server renders it
+// (/nodes/<id>/row/, console/templates/console/node_row.html), so a live row equals a
+// reloaded one, Approve button included. Only the numbers that change every 5 s (CPU,
+// RAM, last seen) are written in place, in the markup bar.html prints.
 (function () {
   "use strict";
   const live = document.getElementById("live");
+  if (!live) return;
   const nodePage = document.getElementById("node-page");
   const pageNode = nodePage ? nodePage.getAttribute("data-node") : null;
+  const table = document.getElementById("nodes");
+  const filtered = table ? table.getAttribute("data-filtered") === "1" : false;
+  const signatures = {};
 
-  function badge(cell, state) {
-    cell.innerHTML = "";
-    const span = document.createElement("span");
-    span.className = "badge s-" + state;
-    span.textContent = state;
-    cell.appendChild(span);
+  function fetchHtml(url) {
+    return fetch(url, { credentials: "same-origin", headers: { "X-Requested-With": "fetch" } })
+      .then(function (r) { return r.ok ? r.text() : null; })
+      .catch(function () { return null; });
   }
 
-  function row(table, attr, id, cells) {
-    const body = document.querySelector("#" + table + " tbody");
-    let tr = body.querySelector("tr[" + attr + '="' + CSS.escape(String(id)) + '"]');
-    if (!tr) {
-      const empty = body.querySelector("tr.empty");
-      if (empty) empty.remove();
-      tr = document.createElement("tr");
-      tr.setAttribute(attr, id);
-      for (const name of cells) {
-        const td = document.createElement("td");
-        td.className = name;
-        tr.appendChild(td);
+  // console/templates/console/bar.html, element for element.
+  function bar(used, total) {
+    if (typeof used !== "number" || typeof total !== "number" || total <= 0) return "–";
+    const u = (used / 1073741824).toFixed(1), t = (total / 1073741824).toFixed(1);
+    const pct = Math.max(0, Math.min(100, Math.round(100 * used / total)));
+    return '<meter min="0" max="100" value="' + pct + '" title="' + u + " / " + t + ' GiB"></meter> ' +
+      u + " / " + t + " GiB";
+  }
+
+  function cpuCell(value) {
+    if (typeof value !== "number") return "–";
+    const p = Math.round(value);
+    return '<meter min="0" max="100" value="' + p + '"></meter> ' + p + " %";
+  }
+
+  // console/formats.py age_text.
+  function age(seconds) {
+    seconds = Math.max(0, seconds);
+    if (seconds < 90) return Math.round(seconds) + " s ago";
+    if (seconds < 5400) return Math.round(seconds / 60) + " min ago";
+    if (seconds < 129600) return Math.round(seconds / 3600) + " h ago";
+    return Math.round(seconds / 86400) + " d ago";
+  }
+
+  function signature(node) {
+    return [node.state, (node.reasons || []).join(","), node.approved, node.draining,
+      node.maintenance, node.lastError].join("|");
+  }
+
+  // Pending swaps, one per node: events that arrive while a row is fetched are not lost.
+  const swapping = {};
+  function swapRow(nodeId) {
+    if (swapping[nodeId]) { swapping[nodeId] = "again"; return; }
+    swapping[nodeId] = "busy";
+    fetchHtml("/nodes/" + encodeURIComponent(nodeId) + "/row/").then(function (html) {
+      const again = swapping[nodeId] === "again";
+      delete swapping[nodeId];
+      if (html !== null) {
+        const body = table.querySelector("tbody");
+        const holder = document.createElement("tbody");
+        holder.innerHTML = html.trim();
+        const fresh = holder.querySelector("tr");
+        const old = body.querySelector('tr[data-node="' + CSS.escape(nodeId) + '"]');
+        if (fresh && old) old.replaceWith(fresh);
+        else if (fresh && !filtered) {
+          const empty = body.querySelector("tr.empty");
+          if (empty) empty.remove();
+          body.appendChild(fresh);
+        }
       }
-      body.appendChild(tr);
-    }
-    return tr;
+      if (again) swapRow(nodeId);
+    });
   }
 
-  function pct(value) {
-    return value === null || value === undefined ? "–" : Math.round(value) + " %";
+  function onNodeRow(node) {
+    if (!table) return;
+    const tr = table.querySelector('tr[data-node="' + CSS.escape(node.nodeId) + '"]');
+    const sig = signature(node);
+    if (!tr || signatures[node.nodeId] !== undefined && signatures[node.nodeId] !== sig ||
+        tr.getAttribute("data-state") !== node.state) {
+      signatures[node.nodeId] = sig;
+      swapRow(node.nodeId);
+      return;
+    }
+    signatures[node.nodeId] = sig;
+    tr.classList.toggle("stale", node.state === "Offline");
+    tr.querySelector(".cpu").innerHTML = cpuCell(node.cpuPercent);
+    tr.querySelector(".ram").innerHTML = bar(node.memoryUsedBytes, node.memoryTotalBytes);
+    if (typeof node.lastSeen === "number") {
+      tr.querySelector(".seen").textContent = age(Date.now() / 1000 - node.lastSeen);
+    }
   }
 
-  function ram(node) {
-    if (node.memoryPercent === null || node.memoryPercent === undefined) return "–";
-    const gib = function (b) { return (b / 1073741824).toFixed(1); };
-    if (node.memoryUsedBytes && node.memoryTotalBytes) {
-      return gib(node.memoryUsedBytes) + " / " + gib(node.memoryTotalBytes) + " GiB (" +
-        Math.round(node.memoryPercent) + " %)";
-    }
-    return pct(node.memoryPercent);
-  }
-
-  // The node's own cells: an Overview row, or the node page.
-  function nodeCells(nodeId) {
-    if (pageNode !== null) return pageNode === nodeId ? nodePage : null;
-    const table = document.getElementById("nodes");
-    if (!table) return null;
-    const tr = row("nodes", "data-node", nodeId, [
-      "id", "state", "cpu", "ram", "reasons", "cert", "key", "actions",
-    ]);
-    if (!tr.children[0].firstChild) {
-      const a = document.createElement("a");
-      a.href = "/nodes/" + encodeURIComponent(nodeId) + "/";
-      a.textContent = nodeId;
-      tr.children[0].appendChild(a);
-    }
-    return tr;
+  // The node page: its "current" block is re-rendered by the server (throttled), the
+  // charts take the new point from node.telemetry (charts.js).
+  let currentTimer = null;
+  function refreshCurrent() {
+    if (currentTimer) return;
+    currentTimer = setTimeout(function () {
+      currentTimer = null;
+      fetchHtml("/nodes/" + encodeURIComponent(pageNode) + "/current/").then(function (html) {
+        if (html === null) return;
+        const holder = document.createElement("div");
+        holder.innerHTML = html.trim();
+        const fresh = holder.firstElementChild;
+        const old = document.getElementById("node-current");
+        if (fresh && old) old.replaceWith(fresh);
+      });
+    }, 500);
   }
 
   function onNode(node) {
-    const cells = nodeCells(node.nodeId);
-    if (!cells) return;
-    badge(cells.querySelector(".state"), node.state);
-    cells.querySelector(".cpu").textContent = pct(node.cpuPercent);
-    cells.querySelector(".ram").textContent = ram(node);
-    cells.querySelector(".reasons").textContent = (node.reasons || []).join(", ");
+    if (pageNode !== null) {
+      if (pageNode === node.nodeId) refreshCurrent();
+      return;
+    }
+    onNodeRow(node);
+    refreshSummary();
   }
 
-  // '2026-12-02 18:35 UTC' from an ISO time in UTC, as console/views.py _when prints it.
+  // The Overview's tiles and Needs attention, rendered by the server (at most every 2 s).
+  let summaryTimer = null;
+  function refreshSummary() {
+    if (!document.getElementById("tiles") || summaryTimer) return;
+    summaryTimer = setTimeout(function () {
+      summaryTimer = null;
+      fetchHtml("/overview/summary/").then(function (html) {
+        if (html === null) return;
+        const holder = document.createElement("div");
+        holder.innerHTML = html.trim();
+        for (const id of ["tiles", "attention"]) {
+          const fresh = holder.querySelector("#" + id);
+          const old = document.getElementById(id);
+          if (fresh && old) old.replaceWith(fresh);
+        }
+      });
+    }, 2000);
+  }
+
+  // '2026-12-02 18:35 UTC' from an ISO time in UTC, as console/formats.py when() prints it.
   function when(iso) { return iso ? iso.slice(0, 10) + " " + iso.slice(11, 16) + " UTC" : ""; }
 
   // console/templates/console/cert_cell.html, element for element.
@@ -102,8 +171,9 @@
 
   function onCertificate(c) {
     if (pageNode === null) {
-      const tr = document.querySelector('#nodes tr[data-node="' + CSS.escape(c.nodeId) + '"]');
+      const tr = table && table.querySelector('tr[data-node="' + CSS.escape(c.nodeId) + '"]');
       if (tr) certCell(tr.querySelector(".cert"), c);
+      refreshSummary();
       return;
     }
     if (pageNode !== c.nodeId) return;
@@ -117,63 +187,19 @@
       (r.attempts ? ", " + r.attempts + " failed attempts: " + r.lastError : "") + ")" : "none");
   }
 
-  function gib(bytes) { return (bytes / 1073741824).toFixed(2) + " GiB"; }
-
-  // The event carries the whole row over all replicas (models_registry.services.model_summary,
-  // the function the page is rendered with): every cell is replaced, none is merged.
-  function onModel(model) {
-    if (!document.getElementById("models")) return;
-    const tr = row("models", "data-model", model.modelId, [
-      "name", "state", "node", "budget", "measured", "restarts", "notes", "error",
-    ]);
-    tr.children[0].textContent = model.servedName;
-    badge(tr.querySelector(".state"), model.state);
-    tr.querySelector(".node").textContent = model.nodeId || "-";
-    tr.querySelector(".error").textContent = model.error || "";
-    tr.querySelector(".measured").textContent =
-      typeof model.measuredBytes === "number" ? gib(model.measuredBytes) : "–";
-    tr.querySelector(".restarts").textContent = String(model.restartCount);
-  }
-
-  // No percentage is shown when the total is unknown: a byte count that keeps rising
-  // says more than a percentage that cannot be right.
-  function onDownload(nodeId, d) {
-    if (!document.getElementById("downloads")) return;
-    const tr = row("downloads", "data-download", nodeId + "/" + d.folder, [
-      "node", "folder", "state", "progress", "rate", "error",
-    ]);
-    tr.querySelector(".node").textContent = nodeId;
-    tr.querySelector(".folder").textContent = d.folder;
-    badge(tr.querySelector(".state"), d.state);
-    const done = d.bytesDone || 0;
-    let text = (done / 1073741824).toFixed(2) + " GiB so far";
-    if (typeof d.bytesTotal === "number" && d.bytesTotal > 0) {
-      text = (done / 1073741824).toFixed(2) + " / " + (d.bytesTotal / 1073741824).toFixed(2) +
-        " GiB (" + Math.round(100 * done / d.bytesTotal) + " %)";
+  window.MirbadSocket.connect(live.getAttribute("data-ws") || "/ws/fleet/", function (event) {
+    if (event.type === "node.updated") onNode(event.node);
+    else if (event.type === "node.certificate") onCertificate(event.certificate);
+    // Models and downloads have their own pages; here they only change the tiles and
+    // Needs attention.
+    else if (event.type === "model.updated" || event.type === "download.updated") refreshSummary();
+    else if (event.type === "node.telemetry" && window.MirbadCharts) {
+      window.MirbadCharts.push(event.nodeId, event.point);
     }
-    tr.querySelector(".progress").textContent = text;
-    tr.querySelector(".rate").textContent = typeof d.rateBytesPerSecond === "number"
-      ? (d.rateBytesPerSecond / 1048576).toFixed(1) + " MiB/s" : "";
-    tr.querySelector(".error").textContent = d.error || "";
-  }
-
-  let delay = 1000;
-  function connect() {
-    const scheme = location.protocol === "https:" ? "wss://" : "ws://";
-    const ws = new WebSocket(scheme + location.host + (live.getAttribute("data-ws") || "/ws/fleet/"));
-    ws.onopen = function () { live.textContent = "live"; delay = 1000; };
-    ws.onmessage = function (msg) {
-      const event = JSON.parse(msg.data);
-      if (event.type === "node.updated") onNode(event.node);
-      else if (event.type === "node.certificate") onCertificate(event.certificate);
-      else if (event.type === "model.updated") onModel(event.model);
-      else if (event.type === "download.updated") onDownload(event.nodeId, event.download);
-    };
-    ws.onclose = function () {
-      live.textContent = "reconnecting…";
-      setTimeout(connect, delay);
-      delay = Math.min(delay * 2, 30000);
-    };
-  }
-  connect();
+  }, function () {
+    // After every (re)connect: what changed while the socket was away is rendered again.
+    window.MirbadSocket.resync(pageNode !== null
+      ? ["#node-current", "#certificate", "#actions"]
+      : ["#nodes tbody", "#tiles", "#attention"]);
+  });
 })();

@@ -1,0 +1,322 @@
+"""The Nodes list, one node's row and its page (thin: they read the registry, the status
+cache and the telemetry history; docs/operator-guide.md "Nodes in the console")."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from django.db.models import Prefetch
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import render
+
+from console.access import operator_required
+from console.formats import age_text, gib, when
+from models_registry.models import Placement
+from nodes import events, rotation, telemetry
+from nodes import status as node_status
+from nodes.models import AuditEvent, CertRotation, Node
+from nodes.status_cache import NodeStatus
+from protocol.states import InstanceState
+
+# A sample older than this is never shown as current (docs/decisions.md D63).
+CURRENT_FOR_SECONDS = telemetry.CURRENT_SECONDS
+# The Nodes list's state filter offers these; anything else is ignored with a message.
+FILTERS = ("all", "attention", "pending", "draining", "maintenance")
+MAX_QUERY = 100
+
+
+def open_rotations() -> Prefetch:
+    return Prefetch(
+        "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
+    )
+
+
+def _bar(used: object, total: object) -> dict[str, Any] | None:
+    """A used/total pair as bar.html prints it (formatted here: a page of 100 rows pays
+    for every template filter); None when unknown. live.js bar() prints the same."""
+    if not isinstance(used, int | float) or not isinstance(total, int | float) or total <= 0:
+        return None
+    percent = max(0.0, min(100.0, 100 * used / total))
+    return {
+        "percent": f"{percent:.0f}",
+        "text": f"{used / 2**30:.1f} / {total / 2**30:.1f} GiB",
+    }
+
+
+def model_counts(
+    node_ids: Iterable[str], statuses: dict[str, NodeStatus]
+) -> dict[str, tuple[int, int]]:
+    """Per node: (Ready replicas, placed replicas), one query for all nodes."""
+    placed: Counter[str] = Counter()
+    ready: Counter[str] = Counter()
+    for placement in Placement.objects.filter(node__node_id__in=list(node_ids)).select_related(
+        "node"
+    ):
+        node_id = placement.node.node_id
+        placed[node_id] += 1
+        inst = ((statuses.get(node_id) or {}).get("instances") or {}).get(placement.instance_id)
+        if (inst or {}).get("state") == InstanceState.READY:
+            ready[node_id] += 1
+    return {node_id: (ready[node_id], placed[node_id]) for node_id in node_ids}
+
+
+def node_row(
+    node: Node,
+    status: NodeStatus,
+    open_rotation: CertRotation | None,
+    models: tuple[int, int] = (0, 0),
+    now: float | None = None,
+    *,
+    looked_up: bool = False,
+) -> dict[str, Any]:
+    """One node as the Overview, the Nodes list and the node page show it.
+
+    Values come from the last telemetry the monitor stored; when that sample is older than
+    a minute (an Offline node, a stuck monitor) they are marked ``stale`` with their age,
+    so the page greys them instead of presenting them as current.
+    """
+    moment = time.time() if now is None else now
+    sample = status.get("telemetry") or {}
+    memory = sample.get("memory") or {}
+    seen = status.get("lastSeen")
+    state = node_status.state_of(status)
+    # lastSeen is the master's clock (a skewed agent clock cannot make a sample look fresh);
+    # the monitor pulls telemetry every 5 s while it is in contact.
+    seen_ago = moment - seen if isinstance(seen, int | float) else None
+    stale = state == "Offline" or seen_ago is None or seen_ago > CURRENT_FOR_SECONDS
+    gpus = [
+        {
+            "index": g.get("index"),
+            "name": g.get("name") or "GPU",
+            "bar": _bar(g.get("memoryUsedBytes"), g.get("memoryTotalBytes")),
+            "util": f"{u:.0f}"
+            if isinstance(u := g.get("utilizationPercent"), int | float)
+            else None,
+        }
+        for g in sample.get("gpus") or []
+        if isinstance(g, dict)
+    ]
+    reasons = [r for r in status.get("reasons", []) if isinstance(r, dict)]
+    return {
+        "node_id": node.node_id,
+        "display_name": node.display_name,
+        "state": state,
+        "approved": node.approved,
+        "revoked": node.revoked,
+        "draining": node.draining,
+        "maintenance_until": node.maintenance_until if node.maintenance_left() else None,
+        "maintenance_reason": node.maintenance_reason,
+        "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else "",
+        "certificate": certificate(
+            rotation.certificate_summary(node, open_rotation, looked_up=looked_up)
+        ),
+        "reasons": ", ".join(r.get("code", "") for r in reasons),
+        "reason_details": reasons,
+        "address": node.address,
+        "os_arch": " · ".join(v for v in (node.os, node.arch) if v),
+        "cpu": f"{cpu:.0f}" if isinstance(cpu := sample.get("cpuPercent"), int | float) else None,
+        "mem_bar": _bar(memory.get("usedBytes"), memory.get("totalBytes")),
+        "gpus": gpus,
+        "models_ready": models[0],
+        "models_placed": models[1],
+        "agent_version": node.agent_version,
+        "protocol": node.protocol_version,
+        "last_seen": when_epoch(seen),
+        "last_seen_age": age_text(seen_ago) if seen_ago is not None else "never",
+        "stale": stale,
+        "last_error": status.get("lastError", "") if state != "Online" else "",
+    }
+
+
+def certificate(summary: events.CertificateSummary) -> dict[str, object]:
+    """The summary with its times as the page prints them (live.js prints the same)."""
+    return {**summary, "not_after": when(summary["notAfter"]), "renew_at": when(summary["renewAt"])}
+
+
+def when_epoch(moment: object) -> str:
+    if not isinstance(moment, int | float):
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(moment))
+
+
+def needs_attention(row: dict[str, Any]) -> bool:
+    """Offline, Degraded or blocked nodes, and nodes waiting for approval."""
+    return not row["revoked"] and row["state"] not in ("Online",)
+
+
+def _first_open(node: Node) -> CertRotation | None:
+    opened: list[CertRotation] = getattr(node, "open_rotations", [])
+    return opened[0] if opened else None
+
+
+def rows_for(
+    nodes: list[Node], statuses: dict[str, NodeStatus] | None = None
+) -> list[dict[str, Any]]:
+    """Rows for nodes loaded with ``open_rotations()``: one Redis and one DB round trip."""
+    if statuses is None:
+        statuses = node_status.read_many(nodes)
+    counts = model_counts([n.node_id for n in nodes], statuses)
+    now = time.time()
+    return [
+        node_row(
+            node,
+            statuses[node.node_id],
+            _first_open(node),
+            counts[node.node_id],
+            now,
+            looked_up=hasattr(node, "open_rotations"),
+        )
+        for node in nodes
+    ]
+
+
+def _matches(row: dict[str, Any], query: str, show: str) -> bool:
+    if query:
+        haystack = " ".join(
+            str(row[k]) for k in ("node_id", "display_name", "address", "os_arch", "reasons")
+        ).lower()
+        if query.lower() not in haystack:
+            return False
+    if show == "attention":
+        return needs_attention(row)
+    if show == "pending":
+        return not row["approved"] and not row["revoked"]
+    if show == "draining":
+        return bool(row["draining"])
+    if show == "maintenance":
+        return row["maintenance_until"] is not None
+    return True
+
+
+@operator_required
+def nodes_list(request: HttpRequest) -> HttpResponse:
+    """All nodes with their state, telemetry bars, models, agent and certificate; search and
+    filters are GET parameters (``q``, ``show``), so a filtered view can be bookmarked."""
+    query = request.GET.get("q", "").strip()[:MAX_QUERY]
+    show = request.GET.get("show", "all")
+    notice = ""
+    if show not in FILTERS:
+        notice = (
+            f"Unknown filter '{show[:40]}': showing all nodes (use one of {', '.join(FILTERS)})."
+        )
+        show = "all"
+    nodes = list(Node.objects.prefetch_related(open_rotations()).order_by("node_id"))
+    rows = [r for r in rows_for(nodes) if _matches(r, query, show)]
+    return render(
+        request,
+        "console/nodes.html",
+        {
+            "nodes": rows,
+            "q": query,
+            "show": show,
+            "filters": FILTERS,
+            "notice": notice,
+            "total": len(nodes),
+        },
+    )
+
+
+@operator_required
+def node_row_fragment(request: HttpRequest, node_id: str) -> HttpResponse:
+    """One ``<tr>`` exactly as the list renders it: live.js swaps it in when a node appears
+    or changes state, so a live row equals a reloaded one (approve button included)."""
+    row = rows_for([_node_or_404(node_id)])[0]
+    return render(request, "console/node_row.html", {"n": row})
+
+
+def _engines(node: Node, status: NodeStatus, point: telemetry.Point | None) -> list[dict[str, Any]]:
+    """The node's engine instances with their model, state, cores, memory and queue."""
+    placements = {
+        p.instance_id: p for p in Placement.objects.filter(node=node).select_related("model")
+    }
+    engines: dict[str, telemetry.EnginePoint] = point["engines"] if point else {}
+    rows = []
+    for instance_id, inst in sorted((status.get("instances") or {}).items()):
+        placement = placements.get(instance_id)
+        kpi: dict[str, Any] = dict(engines.get(instance_id) or {})
+        rows.append(
+            {
+                "instance_id": instance_id,
+                "model": placement.model.served_name if placement else "",
+                "model_id": placement.model.pk if placement else None,
+                "state": inst.get("state", ""),
+                "cpu": kpi.get("cpu"),
+                "rss_gib": gib(kpi.get("rss")),
+                "running": kpi.get("running"),
+                "waiting": kpi.get("waiting"),
+                "gen_tps": kpi.get("genTps"),
+            }
+        )
+    return rows
+
+
+def _current(node: Node) -> dict[str, Any]:
+    """What node_current.html shows: the row, load, cores, disks and engines."""
+    status = node_status.read(node)
+    row = rows_for([node], {node.node_id: status})[0]
+    sample = status.get("telemetry") or {}
+    fresh = not row["stale"]  # stale values keep their bars, greyed, but no load or cores
+    return {
+        "n": row,
+        "load": sample.get("load") if fresh else None,
+        "cores": sample.get("cpuPerCore") if fresh else None,
+        "disks": [
+            {
+                "path": d.get("path"),
+                "bar": _bar(
+                    (d.get("totalBytes") or 0) - (d.get("freeBytes") or 0), d.get("totalBytes")
+                ),
+            }
+            for d in sample.get("disks") or []
+            if isinstance(d, dict)
+        ],
+        "engines": _engines(node, status, telemetry.latest(node.node_id)),
+    }
+
+
+def _node_or_404(node_id: str) -> Node:
+    node = Node.objects.prefetch_related(open_rotations()).filter(node_id=node_id).first()
+    if node is None:
+        raise Http404(f"No node '{node_id}'.")
+    return node
+
+
+@operator_required
+def node_page(request: HttpRequest, node_id: str) -> HttpResponse:
+    """One node: state, current telemetry, engines, charts, logs, certificate, actions,
+    rotations and audit events (live over ``/ws/nodes/<id>/``)."""
+    node = _node_or_404(node_id)
+    return render(
+        request,
+        "console/node.html",
+        {
+            **_current(node),
+            "address": node.address,
+            "rotations": CertRotation.objects.filter(node=node).order_by("-created_at")[:10],
+            "audit": AuditEvent.objects.filter(node_id=node.node_id).order_by("-at")[:25],
+        },
+    )
+
+
+@operator_required
+def node_current(request: HttpRequest, node_id: str) -> HttpResponse:
+    """The node page's current block alone, as live.js swaps it in after an event."""
+    return render(request, "console/node_current.html", _current(_node_or_404(node_id)))
+
+
+@operator_required
+def node_history(request: HttpRequest, node_id: str) -> HttpResponse:
+    """The node's telemetry points for its charts (``window`` 1h or 24h), oldest first."""
+    window: Literal["1h", "24h"] = "24h" if request.GET.get("window") == "24h" else "1h"
+    if request.GET.get("window", "1h") not in ("1h", "24h"):
+        return JsonResponse(
+            {"error": {"code": "invalid_request", "message": "window: one of 1h, 24h."}}, status=400
+        )
+    if not Node.objects.filter(node_id=node_id).exists():
+        raise Http404(f"No node '{node_id}'.")
+    return JsonResponse(
+        {"nodeId": node_id, "window": window, "points": telemetry.series(node_id, window)}
+    )

@@ -1,0 +1,156 @@
+"""A model's KPIs over its replicas, from the nodes' telemetry history, and its stalled
+and slow warnings: a model is flagged when one of its Ready replicas is. The rules
+themselves, per engine, are nodes/stalls.py's (docs/decisions.md D64); the monitor
+stores their answer per node at every sample, read here in one MGET.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import TypedDict
+
+from models_registry.models import ModelDefinition, Placement
+from nodes import stalls, telemetry
+from nodes import status as node_status
+from nodes.stalls import CLEAR, Flags, empty_engine
+from nodes.telemetry import EnginePoint, Window
+from protocol.states import InstanceState
+
+
+class ModelPoint(TypedDict):
+    """A model's values at one time, over its replicas: None when none reported it."""
+
+    t: float
+    memory: int | None  # sum of the engines' RSS
+    running: float | None  # sum
+    waiting: float | None  # sum
+    promptTps: float | None  # sum
+    genTps: float | None  # sum
+    kv: float | None  # the fullest replica's KV-cache usage
+    prefixHit: float | None  # the replicas' mean
+
+
+# -- over the registry --------------------------------------------------------------------
+
+
+def _placements(model_ids: Sequence[int]) -> list[Placement]:
+    return list(Placement.objects.filter(model_id__in=model_ids).select_related("node"))
+
+
+def model_flags(models: Sequence[ModelDefinition], now: float | None = None) -> dict[int, Flags]:
+    """Each model's warnings: flagged when any Ready replica is.
+
+    Three reads whatever the count: the placements (one query), the nodes' statuses
+    (one MGET) and the nodes' last minutes of history (one pipeline), each node's
+    read once and shared by every model placed on it.
+    """
+    now = time.time() if now is None else now
+    out: dict[int, Flags] = {m.pk: CLEAR for m in models}
+    placements = _placements(list(out))
+    if not placements:
+        return out
+    nodes = {p.node.node_id: p.node for p in placements}
+    statuses = node_status.read_many(nodes.values())
+    ready: list[Placement] = []
+    for placement in placements:
+        status = statuses.get(placement.node.node_id)
+        if not node_status.is_serving(status):
+            continue
+        assert status is not None
+        instance = (status.get("instances") or {}).get(placement.instance_id) or {}
+        if instance.get("state") == InstanceState.READY:
+            ready.append(placement)
+    stored = stalls.flags_many(sorted({p.node.node_id for p in ready}), now)
+    for placement in ready:
+        found = stored[placement.node.node_id].get(placement.instance_id, CLEAR)
+        current = out[placement.model_id]
+        if found["stalled"] and not current["stalled"]:
+            out[placement.model_id] = Flags(
+                stalled=True,
+                slow=current["slow"],
+                reason=f"On {placement.node.node_id}: {found['reason']}",
+            )
+        elif found["slow"] and not current["slow"]:
+            out[placement.model_id] = Flags(
+                stalled=current["stalled"],
+                slow=True,
+                reason=current["reason"] or f"On {placement.node.node_id}: {found['reason']}",
+            )
+    return out
+
+
+def _sum(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def merge(buckets: dict[float, list[EnginePoint]]) -> list[ModelPoint]:
+    """The model's points from its replicas' engine values, by time bucket (pure)."""
+    out: list[ModelPoint] = []
+    for t in sorted(buckets):
+        engines = buckets[t]
+        memory = [e["rss"] for e in engines if e["rss"] is not None]
+        kv = [e["kv"] for e in engines if e["kv"] is not None]
+        hits = [e["prefixHit"] for e in engines if e["prefixHit"] is not None]
+        out.append(
+            ModelPoint(
+                t=t,
+                memory=sum(memory) if memory else None,
+                running=_sum([e["running"] for e in engines]),
+                waiting=_sum([e["waiting"] for e in engines]),
+                promptTps=_sum([e["promptTps"] for e in engines]),
+                genTps=_sum([e["genTps"] for e in engines]),
+                kv=max(kv) if kv else None,
+                prefixHit=sum(hits) / len(hits) if hits else None,
+            )
+        )
+    return out
+
+
+def model_series(
+    model: ModelDefinition, window: Window, now: float | None = None
+) -> list[ModelPoint]:
+    """The model's KPIs over the last hour (5 s) or 24 hours (1 min), oldest first.
+
+    Replicas on different nodes sample at different moments: their points are put in
+    buckets of the window's step (5 s or 1 min) and summed per bucket. A hole in the
+    history (nodes.telemetry.series) stays a point of Nones.
+    """
+    placements = _placements([model.pk])
+    node_ids = sorted({p.node.node_id for p in placements})
+    history = telemetry.series_many(node_ids, window, now)
+    step = telemetry.INTERVAL_SECONDS if window == "1h" else telemetry.COARSE_STEP_SECONDS
+    buckets: dict[float, dict[str, EnginePoint]] = {}
+    for placement in placements:
+        for point in history.get(placement.node.node_id, []):
+            bucket = math.floor(point["t"] / step) * step
+            engine = point["engines"].get(placement.instance_id) or empty_engine()
+            # A replica with two samples in one bucket (jitter) counts with its last.
+            buckets.setdefault(bucket, {})[placement.instance_id] = engine
+    return merge({t: list(by_instance.values()) for t, by_instance in buckets.items()})
+
+
+def latest_many(
+    models: Sequence[ModelDefinition], now: float | None = None
+) -> dict[int, ModelPoint]:
+    """Each model's current values over its replicas, from its nodes' newest points.
+
+    For a list of many models: one placements query and one Redis pipeline for all of
+    them (``model_series`` reads an hour per model). A node whose newest point is over a
+    minute old counts as not reporting (``telemetry.latest_many``); a model none of whose
+    replicas reports has no entry.
+    """
+    placements = _placements([m.pk for m in models])
+    points = telemetry.latest_many(sorted({p.node.node_id for p in placements}), now)
+    engines: dict[int, list[EnginePoint]] = {}
+    times: dict[int, float] = {}
+    for placement in placements:
+        point = points.get(placement.node.node_id)
+        engine = point["engines"].get(placement.instance_id) if point else None
+        if point is None or engine is None:
+            continue
+        engines.setdefault(placement.model_id, []).append(engine)
+        times[placement.model_id] = max(times.get(placement.model_id, 0.0), point["t"])
+    return {model_id: merge({times[model_id]: found})[0] for model_id, found in engines.items()}
