@@ -9,7 +9,9 @@ migrated; ``--database-url`` for PostgreSQL), fills it with ``--nodes`` nodes (d
 a status record per node with telemetry and Ready instances, and an hour of 5 s
 telemetry history per node, then renders each page ``--runs`` times (default 30)
 through Django's test client as a logged-in operator: the whole server side (URL
-resolution, middleware, sessions, database, Redis, templates), no network.
+resolution, middleware, sessions, database, Redis, templates), no network, and no
+test instrumentation of the templates. Each page's gen-2 garbage collections during
+its runs are counted beside its times (they are the slow outliers).
 
 Beside them, in the same run, the reference: Django admin's node changelist (the same
 100 nodes through Django's own code) and the login page (an almost empty template).
@@ -20,6 +22,7 @@ under 150 ms per page (docs/performance.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -44,6 +47,9 @@ def _setup_env(args: argparse.Namespace) -> Path:
     os.environ["MIRBAD_REDIS_URL"] = args.redis_url
     if args.database_url:
         os.environ["MIRBAD_DATABASE_URL"] = args.database_url
+    # The test client's host; no setup_test_environment(): it instruments every template
+    # render to keep a copy of its context, which a server does not pay.
+    os.environ["MIRBAD_ALLOWED_HOSTS"] = "testserver"
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mirbad_site.settings")
     return data
 
@@ -137,6 +143,17 @@ def _fill(nodes: int, models: int, history_steps: int = 720) -> tuple[str, int]:
     return fleet[0].node_id, ModelDefinition.objects.order_by("pk").first().pk  # type: ignore[union-attr]
 
 
+_GC_PAUSES: list[tuple[int, float]] = []
+_gc_started = [0.0]
+
+
+def _gc_watch(phase: str, info: dict[str, int]) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    else:
+        _GC_PAUSES.append((info["generation"], (time.perf_counter() - _gc_started[0]) * 1000))
+
+
 def _measure(client: Any, url: str, runs: int) -> dict[str, float]:
     times = []
     for _ in range(runs + 2):
@@ -147,7 +164,11 @@ def _measure(client: Any, url: str, runs: int) -> dict[str, float]:
             raise RuntimeError(f"{url} answered {response.status_code}")
         times.append(elapsed)
     times = times[2:]  # the first two warm caches (templates, connections)
+    gen2 = [ms for gen, ms in _GC_PAUSES if gen == 2]
+    _GC_PAUSES.clear()
     return {
+        "gc_gen2_pauses": len(gen2),
+        "gc_gen2_max_ms": round(max(gen2, default=0.0), 1),
         "p50_ms": round(statistics.median(times), 1),
         "p95_ms": round(_percentile(times, 95), 1),
         "max_ms": round(max(times), 1),
@@ -163,6 +184,12 @@ def main() -> None:
     parser.add_argument("--database-url", default="")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--history-steps", type=int, default=720, help="5 s points per node")
+    parser.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="leave the heap in the collector (mirbad_site/asgi.py freezes it at start)",
+    )
     parser.add_argument("--profile", default="", help="cProfile this URL instead")
     args = parser.parse_args()
     _setup_env(args)
@@ -172,11 +199,9 @@ def main() -> None:
     django.setup()
     from django.core.management import call_command
     from django.test import Client
-    from django.test.utils import setup_test_environment
 
     from nodes import status_cache
 
-    setup_test_environment()  # lets the test client run against ALLOWED_HOSTS
     call_command("migrate", verbosity=0)
     redis = status_cache.sync_client()
     redis.flushdb()
@@ -185,6 +210,12 @@ def main() -> None:
     print(
         f"filled {args.nodes} nodes, {args.models} models in {time.perf_counter() - started:.0f} s"
     )
+    objects = len(gc.get_objects())
+    if args.gc_freeze:
+        # As the web process does once loaded (mirbad_site/asgi.py).
+        gc.collect()
+        gc.freeze()
+    print(f"{objects} objects tracked by the garbage collector after the fill")
     client = Client()
     client.login(username="bench", password="x")  # noqa: S106
     if args.profile:
@@ -213,6 +244,7 @@ def main() -> None:
         "reference: admin node changelist": "/admin/nodes/node/",
         "reference: login page": "/login/",
     }
+    gc.callbacks.append(_gc_watch)
     results: dict[str, Any] = {"nodes": args.nodes, "models": args.models, "runs": args.runs}
     for name, url in pages.items():
         anonymous = Client() if url == "/login/" else client

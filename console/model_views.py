@@ -10,6 +10,7 @@ from typing import Any, Literal
 from django.contrib import messages
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
 from console.access import operator_required
@@ -58,6 +59,9 @@ def model_row(
     flag = flags.get(model.pk) or {}
     return {
         "id": model.pk,
+        # The model's page; its actions and editor are below it (console/urls.py), so a
+        # row of 500 reverses one URL, not six.
+        "url": reverse("model", args=[model.pk]),
         "served_name": summary["servedName"],
         "state": summary["state"],
         "node_id": summary["nodeId"] or "-",

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "mirbad_site.settings")
@@ -65,3 +66,9 @@ class _Dispatch:
 
 
 application = _Dispatch()
+
+# What is loaded by now (Django, the apps, the URL and template machinery) lives as long
+# as the process: moved out of the collector's reach, a gen-2 pass no longer scans it in
+# the middle of a page of 500 models (bench/console_pages.py, docs/performance.md).
+gc.collect()
+gc.freeze()

@@ -35,8 +35,13 @@ class ModelPoint(TypedDict):
 # -- over the registry --------------------------------------------------------------------
 
 
-def _placements(model_ids: Sequence[int]) -> list[Placement]:
-    return list(Placement.objects.filter(model_id__in=model_ids).select_related("node"))
+def _placements(models: Sequence[ModelDefinition]) -> list[Placement]:
+    """The models' placements with their nodes: the ones a list page prefetched
+    (``prefetch_related("placements__node")``), else one query."""
+    if all("placements" in getattr(m, "_prefetched_objects_cache", {}) for m in models):
+        return [p for m in models for p in m.placements.all()]
+    ids = [m.pk for m in models]
+    return list(Placement.objects.filter(model_id__in=ids).select_related("node"))
 
 
 def model_flags(models: Sequence[ModelDefinition], now: float | None = None) -> dict[int, Flags]:
@@ -48,7 +53,7 @@ def model_flags(models: Sequence[ModelDefinition], now: float | None = None) -> 
     """
     now = time.time() if now is None else now
     out: dict[int, Flags] = {m.pk: CLEAR for m in models}
-    placements = _placements(list(out))
+    placements = _placements(models)
     if not placements:
         return out
     nodes = {p.node.node_id: p.node for p in placements}
@@ -118,7 +123,7 @@ def model_series(
     buckets of the window's step (5 s or 1 min) and summed per bucket. A hole in the
     history (nodes.telemetry.series) stays a point of Nones.
     """
-    placements = _placements([model.pk])
+    placements = _placements([model])
     node_ids = sorted({p.node.node_id for p in placements})
     history = telemetry.series_many(node_ids, window, now)
     step = telemetry.INTERVAL_SECONDS if window == "1h" else telemetry.COARSE_STEP_SECONDS
@@ -142,7 +147,7 @@ def latest_many(
     minute old counts as not reporting (``telemetry.latest_many``); a model none of whose
     replicas reports has no entry.
     """
-    placements = _placements([m.pk for m in models])
+    placements = _placements(models)
     points = telemetry.latest_many(sorted({p.node.node_id for p in placements}), now)
     engines: dict[int, list[EnginePoint]] = {}
     times: dict[int, float] = {}

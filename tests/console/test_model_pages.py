@@ -236,3 +236,14 @@ async def test_start_and_stop_go_through_the_lifecycle_to_a_real_agent(
     assert "Stopped &#x27;tiny&#x27;." in page
     saved = await sync_to_async(ModelDefinition.objects.get)(pk=model.pk)
     assert saved.desired_state == "stopped"
+
+
+def test_the_action_urls_a_row_builds_are_the_routes() -> None:
+    """model_actions.html appends the action to the model's URL instead of reversing each
+    one: that holds only while the routes stay below the model's page."""
+    from django.urls import reverse
+
+    base = reverse("model", args=[7])
+    for action in ("start", "stop", "restart", "delete"):
+        assert reverse("model-action", args=[7, action]) == f"{base}{action}/"
+    assert reverse("model-edit", args=[7]) == f"{base}edit/"
