@@ -245,7 +245,7 @@ def _nodes(model: ModelDefinition | None, post: Any | None) -> list[dict[str, An
 def _suggestions(model: ModelDefinition | None) -> tuple[list[dict[str, Any]], str]:
     """The ranked suggestions with their reasons (suggest.py), or why there are none."""
     if model is None:
-        return [], "Save the model first: suggestions are ranked for a saved definition."
+        return [], "Name a folder and a file: the nodes are ranked as you type."
     try:
         ranked = list(suggest.suggest_placements(model.pk)["suggestions"])
     except ServiceError as exc:

@@ -16,7 +16,7 @@ from django.views.decorators.http import require_POST
 from console.access import operator_required
 from console.formats import gib
 from core.errors import ServiceError
-from core.jsoninput import JSON_ERRORS, first_non_text, why_not_json
+from core.jsoninput import JSON_ERRORS, NOT_TEXT, first_non_text, why_not_json
 from models_registry import drafts, kpis, lifecycle, services
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
@@ -221,7 +221,7 @@ def model_estimate(request: HttpRequest) -> JsonResponse:
         return _refuse(400, "invalid_json", f"The body is not JSON: {why_not_json(exc)}.")
     bad = first_non_text(body)
     if bad is not None:
-        return _refuse(400, "invalid_request", f"{bad}: is not text (a lone surrogate)")
+        return _refuse(400, "invalid_request", f"{bad}: {NOT_TEXT}")
     try:
         return JsonResponse(drafts.draft_estimate(body))
     except ServiceError as exc:

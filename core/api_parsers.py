@@ -14,7 +14,7 @@ from typing import Any
 from rest_framework import parsers
 
 from core.errors import ServiceError
-from core.jsoninput import first_non_text, why_not_json
+from core.jsoninput import NOT_TEXT, first_non_text, why_not_json
 
 
 class JSONParser(parsers.JSONParser):
@@ -38,7 +38,7 @@ class JSONParser(parsers.JSONParser):
             raise ServiceError(
                 400,
                 "invalid_request",
-                f"{bad}: must be valid Unicode text (it holds a lone surrogate escape)",
+                f"{bad}: {NOT_TEXT}",
                 details={"field": bad},
             )
         return data

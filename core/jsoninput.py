@@ -23,8 +23,15 @@ def why_not_json(exc: BaseException) -> str:
     return str(exc)
 
 
+# What a reader is told when a string is not text (lone surrogate or NUL).
+NOT_TEXT = "must be text: no lone surrogate escape (\\ud800) and no NUL (\\u0000)"
+
+
 def is_text(value: str) -> bool:
-    """Whether ``value`` can be UTF-8: a JSON ``\\ud800`` escape decodes to a str that cannot."""
+    """Whether ``value`` is text a database can hold: a JSON ``\\ud800`` escape decodes to
+    a str that is not UTF-8, and PostgreSQL refuses a NUL in any text column."""
+    if "\x00" in value:
+        return False
     try:
         value.encode()
     except UnicodeEncodeError:

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from core.errors import ServiceError
-from models_registry import admission, lifecycle, services
+from models_registry import admission, lifecycle, services, suggest
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
 from nodes.agent_client import check_folder
@@ -198,4 +198,7 @@ def draft_estimate(body: Any) -> dict[str, Any]:
     ]
     if not targets and source is not None:
         targets.append(_target(draft, source, gpu_uuids=[], gpu_budgets=[], instance_id=""))
-    return {"file": f"{folder}/{file}", "targets": targets}
+    ranked = suggest.suggest_for(
+        draft, read_header=lambda m, node: header(node, m.source_folder, m.source_file)
+    )
+    return {"file": f"{folder}/{file}", "targets": targets, "suggestions": ranked["suggestions"]}

@@ -12,7 +12,7 @@ the placement: the operator picks, the API call stays explicit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from core.errors import ServiceError
@@ -42,12 +42,17 @@ def _models_disk_free(status: dict[str, Any]) -> int | None:
     return None
 
 
-def _budget_and_size(model: ModelDefinition, holders: list[Node]) -> tuple[int | None, int | None]:
+HeaderReader = Callable[[ModelDefinition, Node], dict[str, Any]]
+
+
+def _budget_and_size(
+    model: ModelDefinition, holders: list[Node], read_header: HeaderReader
+) -> tuple[int | None, int | None]:
     """The budget (from a node holding the file, else the last estimate) and the file size."""
     estimate = model.estimate or {}
     for node in holders:
         try:
-            header = lifecycle.read_header(model, node)
+            header = read_header(model, node)
         except ServiceError:
             continue
         # Estimated for the host memory of one node; a GPU placement adds its CUDA context.
@@ -60,7 +65,14 @@ def _budget_and_size(model: ModelDefinition, holders: list[Node]) -> tuple[int |
 
 def suggest_placements(model_id: int) -> dict[str, Any]:
     """GET /api/models/{id}/placement-suggestions."""
-    model = get_model(model_id)
+    return suggest_for(get_model(model_id))
+
+
+def suggest_for(
+    model: ModelDefinition, read_header: HeaderReader = lifecycle.read_header
+) -> dict[str, Any]:
+    """The ranked suggestions for ``model``, saved or not (the editor's unsaved form:
+    models_registry.drafts, which passes a ``read_header`` that caches per file)."""
     nodes = list(Node.objects.filter(approved=True, revoked=False).order_by("node_id"))
     statuses = node_status.read_many(nodes)
     holders = [
@@ -69,7 +81,7 @@ def suggest_placements(model_id: int) -> dict[str, Any]:
         if node_status.is_serving(statuses[n.node_id])
         and _holds(statuses[n.node_id], model.source_folder)
     ]
-    budget, size = _budget_and_size(model, holders)
+    budget, size = _budget_and_size(model, holders, read_header)
     candidates = []
     for node in nodes:
         status: dict[str, Any] = dict(statuses[node.node_id])

@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from core.jsoninput import JSON_ERRORS, is_text, why_not_json
+from core.jsoninput import JSON_ERRORS, NOT_TEXT, is_text, why_not_json
 from core.throttle import key_failures, key_prefix
 from nodes import status_cache
 from nodes.services import master_pki, node_ssl_context
@@ -609,13 +609,9 @@ def _parse(body: bytes) -> dict[str, Any]:
             400, "invalid_request", "'model' is required: name a served model.", param="model"
         )
     if not is_text(model):
-        # A lone surrogate (legal as a JSON \ud800 escape) is no name a database can hold.
-        raise V1Error(
-            400,
-            "invalid_request",
-            "'model' must be valid Unicode text (it holds a lone surrogate escape).",
-            param="model",
-        )
+        # A lone surrogate (legal as a JSON \ud800 escape) or a NUL is no name a database
+        # can hold.
+        raise V1Error(400, "invalid_request", f"'model' {NOT_TEXT}.", param="model")
     return data
 
 

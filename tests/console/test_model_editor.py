@@ -207,6 +207,10 @@ def test_the_estimate_refuses_bad_input_with_a_400_naming_it(operator, status_re
     assert answer.status_code == 200
     (target,) = answer.json()["targets"]
     assert target["error"] == "node a is Offline: its GGUF header cannot be read now"
+    # The unsaved form is ranked too (suggest.suggest_for), with the reasons.
+    (ranked,) = answer.json()["suggestions"]
+    assert ranked["node"] == "a" and not ranked["suitable"]
+    assert "not serving (state: Offline)" in ranked["reasons"]
     # Form-encoded or empty bodies are not JSON either.
     assert client.post("/models/estimate/", {"a": "b"}).status_code == 400
     assert client.get("/models/estimate/").status_code == 405

@@ -166,6 +166,7 @@ def test_the_console_pages_in_chromium(
         small = kv.inner_text()
         page.fill("#id_context_size", "8192")
         expect(kv).not_to_have_text(small, timeout=15_000)  # before anything is saved
+        expect(page.locator('#suggestions li[data-node="local"]')).to_contain_text("suitable")
         assert "needs" in line.inner_text()
         shot("07-editor-estimate")
         page.fill("#id_context_size", "256")  # the tiny model was trained on 512

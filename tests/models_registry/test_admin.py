@@ -168,6 +168,9 @@ def test_the_model_list_shows_the_live_state(admin_client: Client, status_redis:
 def test_model_list_queries_never_500(admin_client: Client, query: str) -> None:
     make_model("ready", node=make_node("n1"))
     answer = admin_client.get(f"{LIST}{query}")
+    if "%00" in query:  # refused before the admin runs (mirbad_site/nul_guard.py)
+        assert answer.status_code == 400 and b"NUL character" in answer.content
+        return
     assert answer.status_code in (200, 302), answer.content[:500]
 
 

@@ -134,7 +134,7 @@ async def test_a_model_row_event_carries_the_state_over_all_replicas(operator: o
     def rendered() -> str:
         client = Client()
         client.force_login(operator)  # type: ignore[arg-type]
-        page = client.get("/").content.decode()
+        page = client.get("/models/").content.decode()  # the Models page's row
         return page.split(f'data-model="{model_id}"')[1].split("</tr>")[0]
 
     row = await sync_to_async(rendered)()

@@ -135,6 +135,30 @@
     });
   }
 
+  // The ranked suggestions for the form as it stands, as model_edit.html renders a
+  // saved model's: the same list, now also before the first save.
+  function suggestions(list) {
+    const old = document.getElementById("suggestions");
+    if (!old || !list) return;
+    const ol = el("ol");
+    ol.id = "suggestions";
+    list.forEach(function (s) {
+      const li = el("li");
+      li.setAttribute("data-node", s.node);
+      li.setAttribute("data-suitable", s.suitable ? "1" : "0");
+      li.appendChild(el("strong", "", s.node));
+      let text = s.suitable
+        ? " · suitable" + (s.gpuUuids && s.gpuUuids.length ? " on " + s.gpuUuids.join(", ") : "")
+        : " · not suitable";
+      if (s.holdsWeights) text += " · holds the weights";
+      li.appendChild(document.createTextNode(text + " · " + s.instances + " instance(s)"));
+      li.appendChild(el("br"));
+      li.appendChild(el("small", "", s.reasons.join("; ")));
+      ol.appendChild(li);
+    });
+    old.replaceWith(ol);
+  }
+
   function problem(text) {
     out.innerHTML = "";
     const p = el("p", "error", text);
@@ -160,7 +184,7 @@
       return r.json().then(function (answer) { return { ok: r.ok, answer: answer }; });
     }).then(function (result) {
       if (mine !== sequence) return; // a later keystroke's answer is coming
-      if (result.ok) render(result.answer);
+      if (result.ok) { render(result.answer); suggestions(result.answer.suggestions); }
       else problem((result.answer.error || {}).message || "The estimate failed.");
     }).catch(function () {
       if (mine === sequence) problem("The estimate could not be fetched; is the master up?");
