@@ -200,3 +200,19 @@ async def test_an_approved_node_is_followed_at_once(enrolled: Enrolled) -> None:
 
 async def _is(node_id: str, state: str) -> bool:
     return await _raw_state(node_id) == state
+
+
+@pytest.mark.django_db
+def test_a_node_summary_carries_the_registry_flags_a_row_changes_shape_with() -> None:
+    """live.js fetches a row again when these change (docs/decisions.md D68): a drain
+    made on another page shows without a reload."""
+    from nodes.monitor import node_summary
+
+    node = make_node("n1")
+    node.draining = True
+    node.save()
+    record: status_cache.NodeStatus = {"nodeId": "n1", "state": "Online", "reasons": []}
+    summary = node_summary(record, node)
+    assert (summary["approved"], summary["draining"], summary["maintenance"]) == (True, True, False)
+    gone = node_summary(record)  # a node no longer in the registry
+    assert (gone["approved"], gone["draining"], gone["maintenance"]) == (None, None, None)
