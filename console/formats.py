@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+
 
 def gib(value: object) -> float | None:
     """Bytes as GiB, None when unknown (the template prints a dash)."""
@@ -23,3 +25,14 @@ def age_text(seconds: float) -> str:
     if seconds < 36 * 3600:
         return f"{seconds / 3600:.0f} h ago"
     return f"{seconds / 86400:.0f} d ago"
+
+
+def iso_epoch(iso: object) -> float | None:
+    """The epoch seconds of an ISO 8601 time (``Z`` or an offset), None when it is none."""
+    if not isinstance(iso, str) or not iso:
+        return None
+    try:
+        moment = dt.datetime.fromisoformat(iso.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)).timestamp()

@@ -13,7 +13,7 @@ from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
 from console.access import operator_required
-from console.formats import age_text, gib, when
+from console.formats import age_text, gib, iso_epoch, when
 from models_registry.models import Placement
 from nodes import events, rotation, telemetry
 from nodes import status as node_status
@@ -128,7 +128,31 @@ def node_row(
         "last_seen_age": age_text(seen_ago) if seen_ago is not None else "never",
         "stale": stale,
         "last_error": status.get("lastError", "") if state != "Online" else "",
+        "operations": _operations(status, moment),
     }
+
+
+# An operation the agent has had open this long is shown as needing attention (a launch
+# answers in a moment; one still open after this is stuck or its answer was lost).
+OPERATION_ATTENTION_SECONDS = 30.0
+
+
+def _operations(status: NodeStatus, now: float) -> list[dict[str, Any]]:
+    """The agent's open operations with their age (from its own clock: roughly)."""
+    out = []
+    for op in status.get("operations") or []:
+        opened = iso_epoch(op.get("openedAt"))
+        age = now - opened if opened is not None else None
+        out.append(
+            {
+                "kind": op.get("kind", ""),
+                "instance_id": op.get("instanceId", ""),
+                "id": op.get("id", ""),
+                "age": age_text(age) if age is not None else "",
+                "stuck": age is not None and age >= OPERATION_ATTENTION_SECONDS,
+            }
+        )
+    return out
 
 
 def certificate(summary: events.CertificateSummary) -> dict[str, object]:

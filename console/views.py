@@ -125,6 +125,10 @@ def _attention(
             add("node", n["node_id"], f"{n['state']}. {detail}{error}".strip(), url)
         elif n["state"] == "PendingApproval":
             add("node", n["node_id"], f"Waiting for approval (key {n['fingerprint']}).", url)
+        for op in n["operations"]:
+            if op["stuck"]:
+                add("operation", n["node_id"], f"Agent operation {op['kind']} of "
+                    f"{op['instance_id'] or '-'} open, opened {op['age']} ({op['id']}).", url)  # fmt: skip
         cert = n["certificate"]
         if cert.get("renewalError"):
             add("certificate", n["node_id"], f"Renewal failed: {cert['renewalError']}", url)

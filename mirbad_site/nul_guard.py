@@ -35,6 +35,10 @@ class RejectNulMiddleware:
         where = "query string"
         bad = _first_nul(request.GET)
         if bad is None and request.method == "POST" and request.content_type in FORMS:
+            # Read the body first: parsing a multipart form from the stream would leave
+            # nothing for a view that reads request.body (the editor's JSON endpoint
+            # answers a form post with a 400 of its own). The size limit still applies.
+            request.body  # noqa: B018
             where, bad = "form", _first_nul(request.POST)
         if bad is not None:
             return HttpResponseBadRequest(

@@ -69,6 +69,18 @@ def node_summary(status: status_cache.NodeStatus, node: Node | None = None) -> e
     )
 
 
+def _operations(data: dict[str, Any]) -> list[dict[str, str]]:
+    """The agent's operations not yet ended, as the console lists them (at most 50)."""
+    found = data.get("operations")
+    if not isinstance(found, list):
+        return []
+    return [
+        {k: str(op.get(k) or "")[:100] for k in ("id", "kind", "instanceId", "openedAt")}
+        for op in found[:50]
+        if isinstance(op, dict)
+    ]
+
+
 async def publish_model_rows(node_id: str, model_ids: list[int] | None = None) -> None:
     """``model.updated`` for the models placed on the node, each over all its replicas."""
     try:
@@ -314,6 +326,7 @@ class NodeWorker:
         }
         if snapshot.get("telemetry"):
             self.status["telemetry"] = snapshot["telemetry"]
+        self.status["operations"] = _operations(snapshot)
 
     async def handle_event(self, name: str, data: dict[str, Any]) -> None:
         self.touch()
@@ -334,6 +347,8 @@ class NodeWorker:
                 self.agent_fencing = data["fencing"]
                 self.status["fencing"] = self.agent_fencing
                 await self.recompute()
+            if "operations" in data:
+                self.status["operations"] = _operations(data)
             if "downloads" in data:
                 self.status["downloads"] = {
                     d["folder"]: d

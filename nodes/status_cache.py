@@ -62,6 +62,7 @@ class NodeStatus(TypedDict, total=False):
     telemetry: dict[str, Any]
     instances: dict[str, dict[str, Any]]
     downloads: dict[str, dict[str, Any]]  # by folder, as the agent reports them
+    operations: list[dict[str, str]]  # the agent's operations not yet ended
     fencing: dict[str, Any] | None  # the epoch the agent accepted
     updatedAt: float
     statusSource: str  # reader-side only: LAST_KNOWN or UNKNOWN when Redis was unreachable

@@ -244,4 +244,5 @@ def test_a_trailing_newline_or_nul_in_a_name_is_refused(operator_client, field, 
         "source_folder",
         "served_name",
         "source_file",
+        "sourceFolder",  # a NUL: refused by the JSON parser, named as the body names it
     )

@@ -476,6 +476,7 @@ class AgentServer:
             **self.runtime.gpus.heartbeat(),
             "downloads": self.downloads.heartbeat(),
             "weights": self.weights.summary(),
+            "operations": self.oplog.open_operations(),
         }
 
     def _folder_in_use(self, folder: str) -> bool:
@@ -520,6 +521,7 @@ class AgentServer:
                 "time": utc_now_iso(),
                 "health": {"reasons": self.health.reasons},
                 "instances": self.runtime.list(),
+                "operations": self.oplog.open_operations(),
                 "telemetry": await self.telemetry.current(),
             }
         )

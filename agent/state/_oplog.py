@@ -156,6 +156,17 @@ class OperationLog:
             op["closedAt"] = _now()
             await asyncio.to_thread(self._save)
 
+    def open_operations(self, limit: int = 50) -> list[dict[str, Any]]:
+        """The operations not yet ended, oldest first (the heartbeat and /status carry
+        them: the console lists one that stays open)."""
+        ops = sorted(
+            (op for op in self.operations.values() if op["state"] == "open"),
+            key=lambda o: o["openedAt"],
+        )
+        return [
+            {k: op.get(k) for k in ("id", "kind", "instanceId", "openedAt")} for op in ops[:limit]
+        ]
+
     def reconcile(self, instance_state: Callable[[str], str | None]) -> int:
         """Close operations a restart left open, from what the instance records show."""
         closed = 0

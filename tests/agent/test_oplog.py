@@ -114,3 +114,24 @@ async def test_open_operations_are_closed_from_the_files(tmp_path: Path) -> None
         "op-d-000001": "failed",  # m-1 still runs: the stop did not happen
     }
     assert OperationLog(state_dir=tmp_path).reconcile(states.get) == 0
+
+
+async def test_the_open_operations_are_listed_oldest_first_for_the_heartbeat(
+    tmp_path: Path,
+) -> None:
+    log = OperationLog(state_dir=tmp_path)
+    await log.begin("op-a-000001", method="POST", path="/agent/v1/instances", instance_id="m-1")
+    await log.begin(
+        "op-b-000001", method="POST", path="/agent/v1/instances/m-2/stop", instance_id=None
+    )
+    await log.close("op-a-000001", status=202, body=b"{}")
+    assert log.open_operations() == [
+        {
+            "id": "op-b-000001",
+            "kind": "stop",
+            "instanceId": "m-2",
+            "openedAt": log.operations["op-b-000001"]["openedAt"],
+        }
+    ]
+    await log.close("op-b-000001", status=200, body=None)
+    assert log.open_operations() == []

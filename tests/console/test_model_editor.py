@@ -166,7 +166,7 @@ def test_the_estimate_refuses_bad_input_with_a_400_naming_it(operator, status_re
     cases = [
         ("{not json", "The body is not JSON"),
         ("[" * 100_000 + "]" * 100_000, "nests arrays or objects too deeply"),
-        ('"\\ud800"', "is not text"),
+        ('"\\ud800"', "must be text: no lone surrogate"),
         ("[]", "The body must be a JSON object."),
         ("null", "The body must be a JSON object."),
         (json.dumps({**good, "servedName": "x"}), "servedName: unknown field"),

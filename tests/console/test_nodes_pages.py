@@ -14,6 +14,9 @@ from django.test import Client
 from nodes import status_cache, telemetry
 from nodes.models import Node
 from tests.factories import make_model, make_node, set_status
+from tests.telemetry_support import history
+
+__all__ = ["history"]  # the fixture, imported to be used
 
 PAGES = [
     "/nodes/",
@@ -165,6 +168,7 @@ def test_the_node_page_shows_current_telemetry_engines_and_its_actions(
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("history")
 def test_history_json_serves_the_recorded_points(client: Client, status_redis) -> None:
     node = make_node("n1")
     now = time.time()
@@ -222,6 +226,7 @@ def test_node_actions_redirect_with_a_message(client: Client, status_redis) -> N
 
 
 @pytest.mark.django_db
+@pytest.mark.usefixtures("history")  # another test's points of n1 would share its buckets
 def test_model_history_json(client: Client, viewer, status_redis) -> None:  # type: ignore[no-untyped-def]
     node = make_node("n1")
     model = make_model("m1", node=node)
@@ -241,3 +246,28 @@ def test_model_history_json(client: Client, viewer, status_redis) -> None:  # ty
     other = Client()
     other.force_login(viewer)
     assert other.get(f"/models/{model.pk}/history.json")["Location"].startswith("/login/")
+
+
+@pytest.mark.django_db
+def test_an_operation_the_agent_keeps_open_is_listed_and_needs_attention(
+    client: Client, status_redis
+) -> None:
+    from nodes.monitor import _operations
+
+    node = make_node("n1")
+    long_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 300))
+    just_now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 2))
+    heartbeat = {
+        "operations": [
+            {"id": "op-1", "kind": "launch", "instanceId": "m1-p1", "openedAt": long_ago},
+            {"id": "op-2", "kind": "stop", "instanceId": "m1-p2", "openedAt": just_now},
+            "junk",
+        ]
+    }
+    _status(node, operations=_operations(heartbeat))  # as the monitor stores them
+    row = client.get("/nodes/n1/row/").content.decode()
+    assert "launch m1-p1 · 5 min ago" in row and re.search(r"stop m1-p2 · [2-4] s ago", row)
+    attention = client.get("/overview/summary/").content.decode()
+    assert "Agent operation launch of m1-p1 open, opened 5 min ago (op-1)" in attention
+    assert "m1-p2" not in attention  # a moment old: normal work
+    assert _operations({"operations": "nope"}) == []
