@@ -45,6 +45,23 @@ async def start_agent(
     return RunningAgent(server=server, session=session, tmp=tmp_path, pki=pki)
 
 
+def llama_entry(llama_server_exe: Path, models_root: Path) -> ExecutableEntry:
+    """The tiny GGUF written under models/tiny and the real llama-server as the node's
+    default executable (its version from the build's manifest)."""
+    write_tiny_gguf(models_root / "tiny" / "tiny.gguf")
+    version = json.loads((llama_server_exe.parent / "manifest.json").read_text())["version"]
+    return ExecutableEntry(name="llama.cpp", version=version, path=llama_server_exe, default=True)
+
+
+async def launch_ready(agent: RunningAgent, instance_id: str = "m-1") -> dict[str, Any]:
+    """Launch the fake engine's instance (agent_support.launch_body) and wait for Ready."""
+    async with agent.session.post(
+        agent.url("/agent/v1/instances"), json=launch_body(instance_id)
+    ) as resp:
+        assert resp.status == 202, await resp.text()
+    return await wait_ready(agent, instance_id)
+
+
 async def wait_ready(agent: RunningAgent, instance_id: str, timeout: float = 30) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -169,14 +186,17 @@ async def test_real_llama_server_chat_completion(
     models_root: Path,
 ) -> None:
     """A tiny GGUF through the runtime and a chat completion through the proxy."""
-    write_tiny_gguf(models_root / "tiny" / "tiny.gguf")
-    version = json.loads((llama_server_exe.parent / "manifest.json").read_text())["version"]
-    exe = ExecutableEntry(name="llama.cpp", version=version, path=llama_server_exe, default=True)
+    exe = llama_entry(llama_server_exe, models_root)
     agent = await start_agent(pki, state_dir, tmp_path, make_config(executables=(exe,)))
     try:
         async with agent.session.get(agent.url("/agent/v1/info")) as resp:
             [info] = (await resp.json())["executables"]
-        assert info == {"name": "llama.cpp", "version": version, "default": True, "verified": True}
+        assert info == {
+            "name": "llama.cpp",
+            "version": exe.version,
+            "default": True,
+            "verified": True,
+        }
         args = [
             "-m", "{model}", "--alias", "tiny", "-c", "1024", "-np", "1", "-ngl", "0",
             "--host", "127.0.0.1", "--port", "{port}", "--metrics", "--no-ui",

@@ -14,8 +14,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agent_support import Pki, RunningAgent, client_context, launch_body
-from test_end_to_end import start_agent, wait_ready
+from agent_support import Pki, RunningAgent, client_context
+from test_end_to_end import launch_ready, start_agent
 
 from agent._config import AgentConfig, ExecutableEntry
 from agent.engines.process._handle import cap_log
@@ -233,11 +233,7 @@ async def test_an_engine_log_is_listed_and_followed(
 ) -> None:
     agent = await start_agent(pki, state_dir, tmp_path, make_config(executables=(fake_engine,)))
     try:
-        async with agent.session.post(
-            agent.url("/agent/v1/instances"), json=launch_body("m-1")
-        ) as resp:
-            assert resp.status == 202
-        await wait_ready(agent, "m-1")
+        await launch_ready(agent, "m-1")
         status, listed = await get(agent, "/agent/v1/logs")
         assert listed["logs"][1] == {
             "name": "m-1", "kind": "engine", "instanceId": "m-1", "state": "Ready",

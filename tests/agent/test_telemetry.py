@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from agent_support import launch_body
 from aiohttp import web
-from test_end_to_end import start_agent, wait_ready
+from test_end_to_end import launch_ready, llama_entry, start_agent, wait_ready
 
 from agent._config import AgentConfig, ExecutableEntry
 from agent.telemetry._describe import parse_gpus
@@ -340,11 +340,7 @@ async def test_the_endpoint_serves_the_sampler_with_each_engine(
 ) -> None:
     agent = await start_agent(pki, state_dir, tmp_path, make_config(executables=(fake_engine,)))
     try:
-        async with agent.session.post(
-            agent.url("/agent/v1/instances"), json=launch_body("m-1")
-        ) as resp:
-            assert resp.status == 202
-        inst = await wait_ready(agent, "m-1")
+        inst = await launch_ready(agent, "m-1")
         await agent.server.telemetry.collect()  # not wait 5 s for the next tick
         async with agent.session.get(agent.url("/agent/v1/telemetry")) as resp:
             assert resp.status == 200
@@ -375,13 +371,7 @@ async def test_real_llama_server_prompt_tokens_rise_after_a_completion(
     models_root: Path,
 ) -> None:
     """A tiny GGUF on the real llama-server: its /metrics read with the instance's key."""
-    import json
-
-    from protocol.tinygguf import write_tiny_gguf
-
-    write_tiny_gguf(models_root / "tiny" / "tiny.gguf")
-    version = json.loads((llama_server_exe.parent / "manifest.json").read_text())["version"]
-    exe = ExecutableEntry(name="llama.cpp", version=version, path=llama_server_exe, default=True)
+    exe = llama_entry(llama_server_exe, models_root)
     agent = await start_agent(pki, state_dir, tmp_path, make_config(executables=(exe,)))
     try:
         args = [

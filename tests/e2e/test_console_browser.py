@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from pathlib import Path
@@ -10,52 +9,24 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e.conftest import llama_server_or_fail
-from tests.fakehub import FakeHub
+from tests.e2e.browser_support import launch, log_in, stack_with_hub
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--disable-quic",
-]
-
 
 def test_overview_live(make_stack, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    if not CHROMIUM.exists():
-        pytest.fail("Debian's chromium is not installed: 'apt-get install chromium'")
     from playwright.sync_api import expect, sync_playwright
 
-    llama_server_or_fail()
-    stack = make_stack(embedded=False)
-    stack.prepare_local_model()
-    hub = FakeHub().start()
-    request.addfinalizer(hub.stop)
-    stack.env["HF_ENDPOINT"] = hub.url
     # Long enough for the node page to connect before the rotation below ends.
-    stack.env["MIRBAD_ROTATION_PIN_GRACE_SECONDS"] = "4"
-    facts = stack.start()
-    user, password = facts["Admin"].split(" ", 1)
-    key = facts["API key"]
-    api = stack.api(key, timeout=30)
+    stack, hub, facts = stack_with_hub(
+        make_stack, request, {"MIRBAD_ROTATION_PIN_GRACE_SECONDS": "4"}
+    )
+    api = stack.api(facts["API key"], timeout=30)
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(
-            executable_path=str(CHROMIUM), args=ARGS, headless=True, env={**os.environ}
-        )
+        browser = launch(pw)
         page = browser.new_context().new_page()  # more pages of the same session below
-        page.goto(f"{stack.url}/")
-        assert "/login/" in page.url  # the console needs a login
-        page.fill("input[name=username]", user)
-        page.fill("input[name=password]", password)
-        page.click("#login")
-        page.wait_for_url(f"{stack.url}/")
+        log_in(page, stack, facts)
         expect(page.locator("#live")).to_have_text("live", timeout=10_000)
         node_state = page.locator('tr[data-node="local"] .state .badge')
         expect(node_state).to_have_text("Online", timeout=15_000)
