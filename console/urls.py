@@ -6,6 +6,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from console import (
+    backup_views,
     download_views,
     key_views,
     login_views,
@@ -54,6 +55,7 @@ urlpatterns = [
     path("usage/", usage_views.usage_page, name="usage"),
     path("keys/", key_views.keys_page, name="keys"),
     path("keys/<int:key_id>/revoke/", key_views.revoke_key, name="key-revoke"),
+    path("backups/", backup_views.backups_page, name="backups"),
     path("login/", login_views.console_login, name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
 ]

@@ -8,9 +8,10 @@ value means the same thing in every process and is validated in one place.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.envconf import (
@@ -80,6 +81,15 @@ class MasterConfig:
     rotation_lease_seconds: float = 60.0
     cert_check_seconds: float = 3600.0
     cert_expiring_seconds: int = 14 * 86400  # Degraded certificate_expiring from then on
+    # Scheduled backups (backups/): once a day at this local time into the directory,
+    # the newest ``backup_keep`` kept; sealed secrets only with a passphrase. Beat asks
+    # every ``backup_check_seconds`` whether the day's backup is due.
+    backup_daily_at: str = "03:00"
+    backup_directory: Path = Path("./var/backups")
+    backup_keep: int = 14
+    backup_passphrase: str | None = field(default=None, repr=False)
+    backup_include_ca: bool = True
+    backup_check_seconds: float = 60.0
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -238,7 +248,24 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         cert_expiring_seconds=env_int(
             "MIRBAD_CERT_EXPIRING_SECONDS", 14 * 86400, minimum=0, env=env
         ),
+        backup_daily_at=env_str("MIRBAD_BACKUP_DAILY_AT", "03:00", env=env),
+        backup_directory=env_path("MIRBAD_BACKUP_DIRECTORY", str(data_path / "backups"), env=env),
+        backup_keep=env_int("MIRBAD_BACKUP_KEEP", 14, minimum=1, maximum=10_000, env=env),
+        backup_passphrase=env_secret("MIRBAD_BACKUP_PASSPHRASE", env=env),
+        backup_include_ca=env_bool("MIRBAD_BACKUP_INCLUDE_CA", True, env=env),
+        backup_check_seconds=env_float("MIRBAD_BACKUP_CHECK_SECONDS", 60.0, minimum=1.0, env=env),
     )
+    daily_at = config.backup_daily_at
+    if not re.fullmatch(r"([01]\d|2[0-3]):[0-5]\d", daily_at):
+        raise SettingError(
+            f"MIRBAD_BACKUP_DAILY_AT: {daily_at!r} is not a time of day; use HH:MM, 24-hour, "
+            "e.g. 03:00."
+        )
+    if config.backup_passphrase is not None and len(config.backup_passphrase) < 12:
+        raise SettingError(
+            "MIRBAD_BACKUP_PASSPHRASE: shorter than 12 characters; use a longer passphrase "
+            "(or unset it: scheduled backups then carry no secrets)."
+        )
     if config.cert_renew_before_seconds >= config.node_cert_seconds:
         raise SettingError(
             f"MIRBAD_CERT_RENEW_BEFORE_SECONDS: {config.cert_renew_before_seconds} is not "

@@ -199,6 +199,10 @@ CELERY_BEAT_SCHEDULE = {
         "task": "nodes.tasks.check_certificates",
         "schedule": MIRBAD.cert_check_seconds,
     },
+    "scheduled-backup": {
+        "task": "backups.tasks.scheduled_backup",
+        "schedule": MIRBAD.backup_check_seconds,
+    },
 }
 
 LOGGING = {

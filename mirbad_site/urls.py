@@ -9,6 +9,7 @@ from django.db import connection
 from django.http import HttpRequest, JsonResponse
 from django.urls import include, path
 
+from backups.api import views as backup_api
 from console import login_views
 from mirbad_site import api_schema
 from models_registry.api import downloads as download_api
@@ -108,4 +109,6 @@ urlpatterns = [
     path("api/keys/<int:key_id>", keys_api.as_view({"patch": "partial_update"} | _DELETE)),
     path("api/usage", usage_api.UsageSummary.as_view()),
     path("api/usage.csv", usage_api.UsageCsv.as_view()),
+    path("api/backups", backup_api.BackupsView.as_view()),
+    path("api/backups/download/<str:token>", backup_api.BackupDownloadView.as_view()),
 ]

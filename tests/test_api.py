@@ -52,6 +52,9 @@ ENDPOINTS = [
     ("delete", "/api/keys/1"),
     ("get", "/api/usage"),
     ("get", "/api/usage.csv"),
+    ("get", "/api/backups"),
+    ("post", "/api/backups"),
+    ("get", "/api/backups/download/t"),
     ("get", "/api/schema"),
     ("get", "/api/docs"),
 ]
@@ -63,7 +66,7 @@ def test_every_api_route_is_in_the_permission_tests() -> None:
 
     covered = {path for _, path in ENDPOINTS}
     samples = {"<str:node_id>": "n1", "<int:model_id>": "1", "<int:key_id>": "1",
-               "<str:folder>": "f"}  # fmt: skip
+               "<str:folder>": "f", "<str:token>": "t"}  # fmt: skip
     for pattern in urlpatterns:
         route = str(pattern.pattern)
         if not route.startswith("api/"):

@@ -98,8 +98,27 @@ def test_master_config_moves_with_ports(tmp_path: Path) -> None:
         ("MIRBAD_BOOTSTRAP_NODE_ID", "Bad_Name"),
         ("MIRBAD_LOG_LEVEL", "LOUD"),
         ("MIRBAD_DEBUG", "perhaps"),
+        ("MIRBAD_BACKUP_DAILY_AT", "3am"),
+        ("MIRBAD_BACKUP_DAILY_AT", "24:00"),
+        ("MIRBAD_BACKUP_KEEP", "0"),
+        ("MIRBAD_BACKUP_PASSPHRASE", "too short"),
+        ("MIRBAD_BACKUP_INCLUDE_CA", "maybe"),
+        ("MIRBAD_BACKUP_CHECK_SECONDS", "0"),
     ],
 )
 def test_master_config_names_the_bad_variable(tmp_path: Path, name: str, value: str) -> None:
     with pytest.raises(SettingError, match=name):
         load_master_config({"MIRBAD_DATA_PATH": str(tmp_path), name: value})
+
+
+def test_backup_settings_defaults_and_passphrase_file(tmp_path: Path) -> None:
+    cfg = load_master_config({"MIRBAD_DATA_PATH": str(tmp_path)})
+    assert (cfg.backup_daily_at, cfg.backup_keep, cfg.backup_include_ca) == ("03:00", 14, True)
+    assert cfg.backup_directory == tmp_path / "backups" and cfg.backup_passphrase is None
+    secret = tmp_path / "pass"
+    secret.write_text("a passphrase from a file\n")
+    cfg = load_master_config(
+        {"MIRBAD_DATA_PATH": str(tmp_path), "MIRBAD_BACKUP_PASSPHRASE_FILE": str(secret)}
+    )
+    assert cfg.backup_passphrase == "a passphrase from a file"
+    assert "a passphrase from a file" not in repr(cfg)
