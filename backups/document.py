@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import serialization
 from django.conf import settings
 from django.utils import timezone
 
-from backups import crypto
+from backups import crypto, inventory
 from models_registry.models import MemorySample, ModelDefinition
 from nodes import fencing
 from nodes.models import Node
@@ -41,6 +41,9 @@ def _iso(value: dt.datetime | None) -> str | None:
 def model_record(model: ModelDefinition) -> dict[str, Any]:
     """A definition as the backup keeps it (and as the restore preview compares it)."""
     return {
+        # The ids name the engines the agents run (instance ``m{id}-p{placement}``): a
+        # rebuilt master keeps them, so it recognises the engines as its own.
+        "id": model.pk,
         "servedName": model.served_name,
         "runtime": model.runtime,
         "delivery": model.delivery,
@@ -52,6 +55,7 @@ def model_record(model: ModelDefinition) -> dict[str, Any]:
         "desiredState": model.desired_state,
         "placements": [
             {
+                "id": placement.pk,
                 "node": placement.node.node_id,
                 "gpuUuids": placement.gpu_uuids,
                 "gpuBudgets": placement.gpu_budgets,
@@ -135,6 +139,20 @@ def _running_models(models: list[ModelDefinition]) -> dict[str, list[str]]:
     return running
 
 
+def _sources(models: list[ModelDefinition], nodes: list[Node]) -> dict[str, Any]:
+    """Where each referenced folder came from, as the nodes holding it report it."""
+    wanted = {m.source_folder for m in models}
+    placed = {p.node_id for m in models for p in m.placements.all()}
+    answers = inventory.ask_nodes([n for n in nodes if n.pk in placed and not n.revoked])
+    sources: dict[str, Any] = {}
+    for answer in answers.values():
+        for folder, entry in (answer.folders or {}).items():
+            source = inventory.source_of(entry) if folder in wanted else None
+            if source is not None and folder not in sources:
+                sources[folder] = source
+    return sources
+
+
 def backup_settings() -> dict[str, Any]:
     cfg = settings.MIRBAD
     return {
@@ -206,6 +224,7 @@ def build(
         "models": [model_record(m) for m in models],
         "nodes": [node_record(n) for n in nodes],
         "runningModels": _running_models(models),
+        "sources": _sources(models, nodes),
         "settings": backup_settings(),
         "history": _history(),
     }

@@ -60,6 +60,7 @@ class Backup:
     models: list[dict[str, Any]]
     nodes: list[dict[str, Any]]
     running_models: dict[str, list[str]]
+    sources: dict[str, dict[str, Any]]
     settings: dict[str, Any]
     history: dict[str, Any]
     sealed: bool
@@ -151,6 +152,7 @@ def _get(record: dict[str, Any], name: str, default: Any = None) -> Any:
 def _placement(value: Any, path: str) -> dict[str, Any]:
     p = _obj(value, path)
     return {
+        "id": _opt_int(_get(p, "id"), f"{path}.id", low=1),
         "node": _node_id(_get(p, "node"), f"{path}.node"),
         "gpuUuids": _list(_get(p, "gpuUuids", []), f"{path}.gpuUuids", _uuid, limit=64),
         "gpuBudgets": _list(_get(p, "gpuBudgets", []), f"{path}.gpuBudgets", _int, limit=64),
@@ -171,6 +173,7 @@ def _model(version: int) -> Callable[[Any, str], dict[str, Any]]:
         except NameRefused as exc:
             raise BackupInvalid(f"{path}.source.folder", str(exc)) from None
         record = {
+            "id": _opt_int(_get(m, "id"), f"{path}.id", low=1),
             "servedName": _str(_get(m, "servedName"), f"{path}.servedName", max_len=200, empty=False),
             "runtime": _choice(_get(m, "runtime", "llamacpp"), f"{path}.runtime", _RUNTIMES),
             "delivery": _choice(_get(m, "delivery", "process"), f"{path}.delivery", _DELIVERIES),
@@ -262,6 +265,35 @@ def _ca(value: Any, path: str) -> dict[str, str]:
     return {"certPem": cert, "keyPem": key}
 
 
+def _file(value: Any, path: str) -> dict[str, Any]:
+    f = _obj(value, path)
+    name = _str(_get(f, "name"), f"{path}.name", max_len=500, empty=False)
+    if name.startswith("/") or ".." in name.split("/"):
+        raise BackupInvalid(f"{path}.name", "must be a relative path inside the folder")
+    return {"name": name, "bytes": _int(_get(f, "bytes"), f"{path}.bytes")}
+
+
+def _sources(value: Any, path: str) -> dict[str, dict[str, Any]]:
+    r = _obj(value, path)
+    out: dict[str, dict[str, Any]] = {}
+    for folder, source in r.items():
+        here = f"{path}.{folder}"
+        try:
+            check_folder_name(folder, "the folder")
+        except NameRefused as exc:
+            raise BackupInvalid(here, str(exc)) from None
+        s = _obj(source, here)
+        files = _list(_get(s, "files", []), f"{here}.files", _file, limit=10_000)
+        out[folder] = {
+            "kind": _choice(_get(s, "kind", "huggingface"), f"{here}.kind", ("huggingface",)),
+            "repoId": _str(_get(s, "repoId"), f"{here}.repoId", max_len=200, empty=False),
+            "revision": _str(_get(s, "revision", "main"), f"{here}.revision", max_len=100),
+            "files": files,
+            "bytes": sum(f["bytes"] for f in files),
+        }
+    return out
+
+
 def _running(value: Any, path: str) -> dict[str, list[str]]:
     r = _obj(value, path)
     out: dict[str, list[str]] = {}
@@ -324,6 +356,7 @@ def parse(data: bytes, *, passphrase: str | None = None) -> Backup:
         models=models,
         nodes=_list(root.get("nodes", []), "$.nodes", _node, limit=10_000) if version >= 2 else [],
         running_models=_running(root.get("runningModels", {}), "$.runningModels"),
+        sources=_sources(root.get("sources", {}), "$.sources"),
         settings=_obj(root.get("settings", {}), "$.settings"),
         history=_obj(root.get("history", {}), "$.history"),
         sealed="secrets" in root,

@@ -60,10 +60,16 @@ def read_identity(data_path: Path) -> MasterIdentity | None:
     return identity
 
 
-def begin_epoch(data_path: Path, *, at_least: int = 0) -> MasterIdentity:
-    """Raise the epoch (and draw a new boot id) before this start talks to any agent."""
+def begin_epoch(
+    data_path: Path, *, at_least: int = 0, instance_id: str | None = None
+) -> MasterIdentity:
+    """Raise the epoch (and draw a new boot id) before this start talks to any agent.
+
+    ``instance_id`` is given only by a rebuild from a backup, which keeps the old
+    master's; otherwise the instance id is the one made at the first start.
+    """
     current = read_identity(data_path)
-    instance_id = current.instance_id if current else uuid.uuid4().hex[:16]
+    instance_id = instance_id or (current.instance_id if current else uuid.uuid4().hex[:16])
     epoch = max((current.epoch + 1) if current else 1, at_least)
     identity = MasterIdentity(instance_id, epoch, secrets.token_hex(8))
     write_atomic(

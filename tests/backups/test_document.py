@@ -59,9 +59,12 @@ def test_the_open_sections_hold_what_is_not_secret(master_identity: Any, backup_
     assert nodes["n2"]["revoked"] is True
     models = {m["servedName"]: m for m in document["models"]}
     assert [p["node"] for p in models["alpha"]["placements"]] == ["n1", "n2"]
+    second = Placement.objects.get(node__node_id="n2")
+    assert models["alpha"]["id"] == second.model_id
     assert models["alpha"]["placements"][1] == {
-        "node": "n2", "gpuUuids": ["GPU-1"], "gpuBudgets": [7]
+        "id": second.pk, "node": "n2", "gpuUuids": ["GPU-1"], "gpuBudgets": [7]
     }  # fmt: skip
+    assert document["sources"] == {}  # no node is serving: nothing to ask
     assert document["runningModels"] == {"n1": ["alpha"], "n2": ["alpha"]}
     assert document["history"]["memorySamples"][0]["measuredBytes"] == 9
     # Never: a pending pin, a join token's hash, a key's hash or the CA key.
