@@ -14,6 +14,7 @@ One tree, so callers can catch as broadly or narrowly as they need::
         +-- InvalidRequest          400 invalid_request
         +-- ClientNotMaster         403 client_not_master
         +-- NotFound                404 not_found
+        |   +-- OperationUnknown    404 operation_unknown (no record of that operation id)
         +-- MethodNotAllowed        405 method_not_allowed
         +-- Conflict                409 conflict
         |   +-- DownloadRunning     409 download_running (a download for that folder is going)
@@ -151,6 +152,13 @@ class ClientNotMaster(ApiError):
 class NotFound(ApiError):
     code = AgentCode.NOT_FOUND
     status = 404
+
+
+class OperationUnknown(NotFound):
+    """The operation log holds no record of the id: the request never arrived (or the
+    record was pruned, docs/agent-api.md "Operation log")."""
+
+    code = AgentCode.OPERATION_UNKNOWN
 
 
 class MethodNotAllowed(ApiError):

@@ -15,9 +15,9 @@ from django.shortcuts import render
 from console.access import operator_required
 from console.formats import age_text, gib, iso_epoch, when
 from models_registry.models import Placement
-from nodes import events, rotation, telemetry
+from nodes import events, operations, rotation, telemetry
 from nodes import status as node_status
-from nodes.models import AuditEvent, CertRotation, Node
+from nodes.models import AuditEvent, CertRotation, MasterOperation, Node
 from nodes.status_cache import NodeStatus
 from protocol.states import InstanceState
 
@@ -153,6 +153,20 @@ def _operations(status: NodeStatus, now: float) -> list[dict[str, Any]]:
             }
         )
     return out
+
+
+def master_operation(op: MasterOperation, now: float) -> dict[str, Any]:
+    """One of the master's open operations as the node page and Needs attention show it."""
+    age = now - op.opened_at.timestamp()
+    return {
+        "kind": op.kind,
+        "target": op.target,
+        "id": op.operation_id,
+        "age": age_text(age),
+        "attempts": op.attempts,
+        "summary": op.summary,
+        "stuck": age >= OPERATION_ATTENTION_SECONDS,
+    }
 
 
 def certificate(summary: events.CertificateSummary) -> dict[str, object]:
@@ -298,6 +312,11 @@ def _current(node: Node) -> dict[str, Any]:
             if isinstance(d, dict)
         ],
         "engines": _engines(node, status, telemetry.latest(node.node_id)),
+        # Beside the agent's open operations (in the row): what the master still waits
+        # on, or lost the answer of (one query).
+        "master_operations": [
+            master_operation(op, time.time()) for op in operations.open_for(node)
+        ],
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import time
 from collections import Counter
 from typing import Any
 from urllib.parse import urlsplit
@@ -24,7 +25,7 @@ from core.errors import ServiceError
 from models_registry import kpis, lifecycle
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
-from nodes import rotation, services, status_cache, telemetry
+from nodes import operations, rotation, services, status_cache, telemetry
 from nodes import status as node_status
 from nodes.models import Node
 from nodes.status_cache import NodeStatus
@@ -51,7 +52,9 @@ def _fleet() -> dict[str, Any]:
     stale, as_of = status_cache.oldest_as_of(statuses)
     return {
         "tiles": _tiles(node_rows, model_rows, points),
-        "attention": _attention(node_rows, model_rows, kpis.model_flags(models), download_rows),
+        "attention": _attention(
+            node_rows, model_rows, kpis.model_flags(models), download_rows, _stuck_operations()
+        ),
         "nodes": node_rows,
         "takeover_needed": any(row["state"] == "PendingTakeover" for row in node_rows),
         "redis_unreachable": stale,
@@ -100,11 +103,21 @@ def _tiles(
     }
 
 
+def _stuck_operations() -> dict[str, list[dict[str, Any]]]:
+    """The master's operations open 30 s or more, by node (one query for the fleet)."""
+    now = time.time()
+    found: dict[str, list[dict[str, Any]]] = {}
+    for op in operations.stuck(node_views.OPERATION_ATTENTION_SECONDS):
+        found.setdefault(op.node.node_id, []).append(node_views.master_operation(op, now))
+    return found
+
+
 def _attention(
     node_rows: list[dict[str, Any]],
     model_rows: list[dict[str, Any]],
     flags: dict[int, kpis.Flags],
     download_rows: list[dict[str, Any]],
+    master_operations: dict[str, list[dict[str, Any]]] | None = None,
 ) -> list[dict[str, str]]:
     """One line per thing that needs the operator, most urgent kinds first, each with the
     page that explains it."""
@@ -129,6 +142,10 @@ def _attention(
             if op["stuck"]:
                 add("operation", n["node_id"], f"Agent operation {op['kind']} of "
                     f"{op['instance_id'] or '-'} open, opened {op['age']} ({op['id']}).", url)  # fmt: skip
+        for op in (master_operations or {}).get(n["node_id"], []):
+            attempts = f", {op['attempts']} attempt(s)" if op["attempts"] else ""
+            add("operation", n["node_id"], f"Master operation {op['kind']} of "
+                f"{op['target'] or '-'} open, opened {op['age']}{attempts} ({op['id']}).", url)  # fmt: skip
         cert = n["certificate"]
         if cert.get("renewalError"):
             add("certificate", n["node_id"], f"Renewal failed: {cert['renewalError']}", url)

@@ -23,7 +23,7 @@ from django.utils import formats, timezone
 
 from core.errors import ServiceError
 from nodes import events, services, status
-from nodes.models import AuditEvent, CertRotation, JoinToken, Node
+from nodes.models import AuditEvent, CertRotation, JoinToken, MasterOperation, Node
 from nodes.status_cache import NodeStatus
 
 # Where a changelist row keeps the status read for the whole page.
@@ -233,3 +233,11 @@ class AuditEventAdmin(_ReadOnly):
     list_filter = ("action", "actor")
     search_fields = ("node_id", "subject", "actor", "action")
     date_hierarchy = "at"
+
+
+@admin.register(MasterOperation)
+class MasterOperationAdmin(_ReadOnly):
+    list_display = ("opened_at", "node", "kind", "target", "state", "reconciled", "attempts")
+    list_filter = ("state", "kind", "reconciled")
+    search_fields = ("operation_id", "node__node_id", "target")
+    list_select_related = ("node",)

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import json
 import ssl
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
@@ -112,11 +111,32 @@ def check_answer(response: httpx.Response) -> Any:
         ) from None
 
 
+def _exchange(
+    node: Node, method: str, path: str, send: Callable[[], httpx.Response]
+) -> httpx.Response:
+    """``send()``, its httpx errors as the client's: sent and unanswered is AgentTimeout."""
+    try:
+        return send()
+    except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
+        # Sent, maybe acted on: the caller must not assume either outcome.
+        raise AgentTimeout(
+            f"node {node.node_id}: no answer to {method} {path} in time; the outcome is unknown"
+        ) from exc
+    except httpx.HTTPError as exc:
+        raise AgentUnreachable(f"node {node.node_id}: {_describe(exc)}") from exc
+
+
 class AgentClient:
-    """Blocking client, for services called from views and tasks."""
+    """Blocking client, for services called from views and tasks.
+
+    Every mutation goes through :func:`nodes.operations.send`: recorded in the master's
+    operation log before it is sent, sent with its operation id, retried under that id
+    when its answer is lost (docs/decisions.md D75).
+    """
 
     def __init__(self, *, node: Node, timeout: float = 15.0) -> None:
         self.node = node
+        self.timeout = timeout
         self._client = httpx.Client(
             base_url=agent_url(node),
             verify=node_ssl_context(node),
@@ -132,17 +152,29 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        try:
-            response = self._client.request(method, path, **kwargs)
-        except (httpx.ReadTimeout, httpx.WriteTimeout) as exc:
-            # Sent, maybe acted on: the caller must not assume either outcome.
-            raise AgentTimeout(
-                f"node {self.node.node_id}: no answer to {method} {path} in time; "
-                "the outcome is unknown"
-            ) from exc
-        except httpx.HTTPError as exc:
-            raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
+    def _request(
+        self, method: str, path: str, *, responses: list[httpx.Response] | None = None,
+        **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """One request; its JSON answer. ``responses`` receives the raw response (the
+        operation log keeps its status and whether the agent answered from its log)."""
+        response = _exchange(
+            self.node, method, path, lambda: self._client.request(method, path, **kwargs)
+        )
+        if responses is not None:
+            responses.append(response)
+        return check_answer(response)
+
+    def request_via(
+        self, via: httpx.Client, method: str, path: str, *,
+        responses: list[httpx.Response] | None = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """:meth:`_request` over another client of the same node (the rotation's proof
+        connection), with the same errors."""
+        call = getattr(via, method.lower())  # via.post(...): what the proof always sent
+        response = _exchange(self.node, method, path, lambda: call(path, **kwargs))
+        if responses is not None:
+            responses.append(response)
         return check_answer(response)
 
     def info(self) -> dict[str, Any]:
@@ -151,49 +183,56 @@ class AgentClient:
     def status(self) -> dict[str, Any]:
         return self._request("GET", "/status")
 
-    def _fenced(self) -> dict[str, str]:
-        """Fencing triple, request time and a fresh operation id for one mutation."""
+    def fencing_headers(self) -> dict[str, str]:
+        """The fencing triple and request time of one mutation (read again for each
+        attempt); nodes.operations adds the operation id."""
         try:
-            headers = fencing.request_headers(settings.MIRBAD.data_path)
+            return fencing.request_headers(settings.MIRBAD.data_path)
         except fencing.FencingError as exc:
             raise AgentRefused(status=503, code="monitor_not_started", message=str(exc)) from None
-        headers["MirbadLLM-Operation-Id"] = "m-" + uuid.uuid4().hex
-        return headers
 
-    def fencing_headers(self) -> dict[str, str]:
-        """The headers of one mutation, for a request sent over another client (the
-        rotation's proof connection)."""
-        return self._fenced()
+    def _mutate(self, kind: str, method: str, path: str, target: str, **kwargs: Any) -> Any:
+        from nodes import operations  # it imports this module's errors
+
+        return operations.send(self, kind=kind, method=method, path=path, target=target, **kwargs)
 
     def launch(self, spec: dict[str, Any]) -> dict[str, Any]:
-        return self._request("POST", "/instances", json=spec, headers=self._fenced())
+        target = str(spec.get("instanceId") or "") if isinstance(spec, dict) else ""
+        return self._mutate("launch", "POST", "/instances", target, json=spec)
 
     def stop(self, instance_id: str) -> dict[str, Any]:
-        return self._request(
-            "POST", f"/instances/{path_segment(instance_id)}/stop", headers=self._fenced()
-        )
+        path = f"/instances/{path_segment(instance_id)}/stop"
+        return self._mutate("stop", "POST", path, instance_id)
 
     # A certificate rotation (docs/agent-api.md, "Certificate rotation"): each step is a
     # fenced mutation with its own operation id; the rotation id makes it idempotent.
 
     def rotation_start(self, rotation_id: str) -> dict[str, Any]:
-        return self._request(
-            "POST", "/pki/rotations", json={"rotationId": rotation_id}, headers=self._fenced()
+        return self._mutate(
+            "rotation_start",
+            "POST",
+            "/pki/rotations",
+            rotation_id,
+            json={"rotationId": rotation_id},
         )
 
     def rotation(self, rotation_id: str) -> dict[str, Any]:
         return self._request("GET", f"/pki/rotations/{path_segment(rotation_id)}")
 
     def rotation_install(self, rotation_id: str, cert_pem: str) -> dict[str, Any]:
-        return self._request(
-            "PUT", f"/pki/rotations/{path_segment(rotation_id)}/cert",
-            json={"certPem": cert_pem}, headers=self._fenced(),
-        )  # fmt: skip
+        path = f"/pki/rotations/{path_segment(rotation_id)}/cert"
+        return self._mutate(
+            "rotation_install", "PUT", path, rotation_id, json={"certPem": cert_pem}
+        )
+
+    def rotation_commit(self, rotation_id: str, *, via: httpx.Client) -> dict[str, Any]:
+        """The commit, over ``via``: the proof connection that saw the pending certificate."""
+        path = f"/pki/rotations/{path_segment(rotation_id)}/commit"
+        return self._mutate("rotation_commit", "POST", path, rotation_id, via=via)
 
     def rotation_abort(self, rotation_id: str) -> dict[str, Any]:
-        return self._request(
-            "POST", f"/pki/rotations/{path_segment(rotation_id)}/abort", headers=self._fenced()
-        )
+        path = f"/pki/rotations/{path_segment(rotation_id)}/abort"
+        return self._mutate("rotation_abort", "POST", path, rotation_id)
 
     def gguf(self, folder: str, file: str | None) -> dict[str, Any]:
         params = {"file": file} if file else None
@@ -202,10 +241,12 @@ class AgentClient:
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]
 
-    # Downloads and weights. The token rides in the body of the POST only.
+    # Downloads and weights. The token rides in the body of the POST only (the operation
+    # log keeps a redacted summary of the answer, never the body sent).
 
     def start_download(self, body: dict[str, Any]) -> dict[str, Any]:
-        return self._request("POST", "/downloads", json=body, headers=self._fenced())
+        target = str(body.get("folder") or "") if isinstance(body, dict) else ""
+        return self._mutate("download", "POST", "/downloads", target, json=body)
 
     def downloads(self) -> list[dict[str, Any]]:
         return self._request("GET", "/downloads")["downloads"]
@@ -214,15 +255,14 @@ class AgentClient:
         return self._request("GET", f"/downloads/{path_segment(folder)}")
 
     def cancel_download(self, folder: str) -> dict[str, Any]:
-        return self._request("DELETE", f"/downloads/{path_segment(folder)}", headers=self._fenced())
+        path = f"/downloads/{path_segment(folder)}"
+        return self._mutate("cancel_download", "DELETE", path, folder)
 
     def model_folders(self) -> dict[str, Any]:
         return self._request("GET", "/model-folders")
 
     def reclaim(self, folder: str) -> dict[str, Any]:
-        return self._request(
-            "DELETE", f"/model-folders/{path_segment(folder)}", headers=self._fenced()
-        )
+        return self._mutate("reclaim", "DELETE", f"/model-folders/{path_segment(folder)}", folder)
 
 
 class AsyncAgentClient:
@@ -278,6 +318,10 @@ class AsyncAgentClient:
 
     async def telemetry(self) -> dict[str, Any]:
         return await self._request("GET", "/telemetry")
+
+    async def operation(self, operation_id: str) -> dict[str, Any]:
+        """The agent's record of one operation (404 operation_unknown: it has none)."""
+        return await self._request("GET", f"/operations/{path_segment(operation_id)}")
 
     # The logs (docs/agent-api.md, "Logs"; docs/decisions.md D62), for the console.
 

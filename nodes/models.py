@@ -179,3 +179,58 @@ class AuditEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M:%S} {self.actor} {self.action} {self.node_id}"
+
+
+class MasterOperation(models.Model):
+    """One mutation the master sent to an agent, written before it is sent
+    (nodes/operations.py; docs/operator-guide.md, "Operations the master sends").
+
+    The id travels as ``MirbadLLM-Operation-Id``, so a request whose answer was lost can
+    be sent again under the same id and the agent answers it from its own operation log
+    instead of acting twice. A row stays ``open`` until an answer closes it, or until the
+    monitor, on reaching the node, closes it from the agent's record (``reconciled``).
+    ``summary`` is short and redacted: a download's Hugging Face token never lands here.
+    """
+
+    class Kind(models.TextChoices):
+        LAUNCH = "launch"
+        STOP = "stop"
+        DELETE = "delete"
+        DOWNLOAD = "download"
+        CANCEL_DOWNLOAD = "cancel_download"
+        RECLAIM = "reclaim"
+        ROTATION_START = "rotation_start"
+        ROTATION_INSTALL = "rotation_install"
+        ROTATION_COMMIT = "rotation_commit"
+        ROTATION_ABORT = "rotation_abort"
+
+    class State(models.TextChoices):
+        OPEN = "open"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+
+    operation_id = models.CharField(max_length=80, unique=True)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="operations")
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    method = models.CharField(max_length=8)
+    path = models.CharField(max_length=300)
+    # The instance id, folder or rotation id the operation is about.
+    target = models.CharField(max_length=200, blank=True)
+    state = models.CharField(max_length=12, choices=State.choices, default=State.OPEN)
+    # Closed by the monitor from the agent's record, not by the answer itself.
+    reconciled = models.BooleanField(default=False)
+    status_code = models.PositiveSmallIntegerField(null=True, blank=True)
+    summary = models.CharField(max_length=500, blank=True)
+    attempts = models.PositiveSmallIntegerField(default=0)
+    opened_at = models.DateTimeField(default=timezone.now)
+    # Until then the sender may still be waiting for an answer: the monitor leaves the
+    # row alone (it would call a request still on its way "never reached").
+    sender_deadline = models.DateTimeField(default=timezone.now)
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at", "-id"]
+        indexes = [models.Index(fields=["node", "state"], name="master_op_node_state")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.target} on {self.node_id} ({self.state})"

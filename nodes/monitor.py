@@ -23,7 +23,7 @@ from typing import Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
-from nodes import events, fencing, hooks, stalls, status_cache, telemetry
+from nodes import events, fencing, hooks, operations, stalls, status_cache, telemetry
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state, registry_state
@@ -39,6 +39,10 @@ CLOCK_SKEW_LIMIT = 30.0
 # refresh_interval, 5 s); /healthz calls it stale after three missed steps.
 HEARTBEAT_KEY = "mirbad:monitor:heartbeat"
 HEARTBEAT_STALE_AFTER = 15.0
+# Open master operations are closed from the agent's records at each (re)connect and
+# then this often: a lost answer leaves one open while the monitor's own connection
+# to the node never dropped (docs/decisions.md D77).
+RECONCILE_INTERVAL = 30.0
 
 
 def heartbeat_age(now: float | None = None) -> float | None:
@@ -117,6 +121,7 @@ class NodeWorker:
         self.backoff = BACKOFF_START
         self.autostarted_boot: str | None = None
         self.autostart_task: asyncio.Task[None] | None = None
+        self.reconciled_at = 0.0  # time.monotonic() of the last reconciliation
 
     # -- state -------------------------------------------------------------------------
 
@@ -290,7 +295,20 @@ class NodeWorker:
         self.backoff = BACKOFF_START
         # One announcement per (re)connect, whether or not the state changed.
         await self.recompute(announce=True)
+        await self.reconcile_operations()
         self.maybe_autostart()
+
+    async def reconcile_operations(self) -> None:
+        """Close the master's open operations on this node from the agent's records
+        (nodes/operations.py): whichever master process opened them, since they are in
+        the shared database. Bookkeeping: its failure never drops the connection."""
+        self.reconciled_at = time.monotonic()
+        try:
+            await operations.reconcile(self.node, self.client)
+        except AgentError as exc:
+            log.info("Node %s: reconciling open operations failed: %s", self.node.node_id, exc)
+        except Exception:
+            log.exception("Node %s: reconciling open operations failed", self.node.node_id)
 
     def maybe_autostart(self) -> None:
         """One auto-start pass per agent boot id (a reboot or an agent restart)."""
@@ -391,6 +409,8 @@ class NodeWorker:
             await status_cache.awrite(self.status)
             await self.publish_node()
             await self.record_telemetry(sample)
+            if time.monotonic() - self.reconciled_at >= RECONCILE_INTERVAL:
+                await self.reconcile_operations()
 
     async def record_telemetry(self, sample: dict[str, Any]) -> None:
         """Add the sample to the node's history, evaluate its engines' stalled and slow

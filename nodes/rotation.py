@@ -38,7 +38,14 @@ from django.utils import timezone
 
 from core.errors import ServiceError
 from nodes import audit, events, pki
-from nodes.agent_client import AgentClient, AgentError, AgentRefused, agent_url, check_answer
+from nodes.agent_client import (
+    AgentClient,
+    AgentError,
+    AgentRefused,
+    AgentUnreachable,
+    agent_url,
+    check_answer,
+)
 from nodes.models import CertRotation, Node
 from nodes.services import config, master_pki
 from protocol.identity import key_spki_sha256
@@ -490,13 +497,10 @@ def _prove_and_commit(rotation: CertRotation) -> None:
         if rotation.stage != Stage.COMMITTING:
             _set(rotation, Stage.COMMITTING)  # from here the rotation is never aborted
         try:
-            answer = check_answer(
-                proof.post(
-                    f"/pki/rotations/{rotation.rotation_id}/commit",
-                    headers=fenced.fencing_headers(),
-                )
-            )
-        except httpx.HTTPError as exc:
+            # Recorded in the master's operation log and sent once, over the proof
+            # connection; a lost answer is read back by the next pass (stage Committed).
+            answer = fenced.rotation_commit(rotation.rotation_id, via=proof)
+        except AgentUnreachable as exc:
             raise RotationFailed(f"the commit got no answer: {exc}") from None
     if answer.get("stage") != "Committed":
         raise RotationFailed(f"the agent answered the commit with {answer}")

@@ -43,6 +43,7 @@ class AgentCode(StrEnum):
     INVALID_REQUEST = "invalid_request"
     CLIENT_NOT_MASTER = "client_not_master"
     NOT_FOUND = "not_found"
+    OPERATION_UNKNOWN = "operation_unknown"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     CONFLICT = "conflict"
     DOWNLOAD_RUNNING = "download_running"

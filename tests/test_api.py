@@ -21,6 +21,7 @@ ENDPOINTS = [
     ("post", "/api/nodes/n1/undrain"),
     ("post", "/api/nodes/n1/rekey"),
     ("post", "/api/nodes/n1/rotate"),
+    ("get", "/api/nodes/n1/operations"),
     ("post", "/api/nodes/n1/maintenance"),
     ("delete", "/api/nodes/n1/maintenance"),
     ("post", "/api/join-tokens"),

@@ -336,6 +336,7 @@ class AgentServer:
         r.add_get("/agent/v1/events", self.handle_events)
         r.add_get("/agent/v1/logs", self.handle_logs)
         r.add_get("/agent/v1/logs/{name}", self.handle_log_lines)
+        r.add_get("/agent/v1/operations/{operationId}", self.handle_operation)
         r.add_get("/agent/v1/instances", self.handle_list)
         r.add_post("/agent/v1/instances", self.handle_launch)
         r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
@@ -534,6 +535,11 @@ class AgentServer:
 
     async def handle_log_lines(self, request: web.Request) -> web.Response:
         return web.json_response(await self.logs.read(request.match_info["name"], request.query))
+
+    async def handle_operation(self, request: web.Request) -> web.Response:
+        """One recorded operation (read-only): how the master closes the operations whose
+        answers it lost (docs/agent-api.md, "Operation log")."""
+        return web.json_response(self.oplog.answer(request.match_info["operationId"]))
 
     async def handle_list(self, request: web.Request) -> web.Response:
         return web.json_response({"instances": self.runtime.list()})

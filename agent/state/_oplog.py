@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent._errors import Conflict, InvalidRequest, StateUnavailable
+from agent._errors import Conflict, InvalidRequest, OperationUnknown, StateUnavailable
 from protocol.atomic import write_atomic
 
 log = logging.getLogger("mirbad.agent.oplog")
@@ -126,7 +126,12 @@ class OperationLog:
             known = self.operations.get(op_id)
             if known is not None:
                 if known["state"] == "open":
-                    raise Conflict(f"operation {op_id} is still running")
+                    # The details tell a repeat of a running operation (which the master
+                    # retries) from every other conflict.
+                    raise Conflict(
+                        f"operation {op_id} is still running",
+                        details={"operationId": op_id, "operationState": "open"},
+                    )
                 if (known["method"], known["path"]) != (method, path):
                     raise Conflict(
                         f"operation id {op_id} was used for {known['method']} {known['path']}"
@@ -166,6 +171,35 @@ class OperationLog:
         return [
             {k: op.get(k) for k in ("id", "kind", "instanceId", "openedAt")} for op in ops[:limit]
         ]
+
+    def answer(self, op_id: str) -> dict[str, Any]:
+        """One recorded operation as ``GET /agent/v1/operations/{id}`` answers it (the body
+        as recorded: redacted). 404 operation_unknown when there is no record: the request
+        never arrived, or it is older than the last :data:`KEEP` ones."""
+        op = self.operations.get(op_id)
+        if op is None:
+            oldest = min((o["openedAt"] for o in self.operations.values()), default=None)
+            raise OperationUnknown(
+                f"no operation {op_id!r} is recorded",
+                details={
+                    "operationId": op_id,
+                    "oldestOpenedAt": oldest,
+                    "held": len(self.operations),
+                    "kept": KEEP,
+                },
+            )
+        return {
+            "id": op["id"],
+            "kind": op.get("kind"),
+            "method": op.get("method"),
+            "path": op.get("path"),
+            "instanceId": op.get("instanceId"),
+            "state": op.get("state"),
+            "status": op.get("status"),
+            "openedAt": op.get("openedAt"),
+            "closedAt": op.get("closedAt"),
+            "body": op.get("body"),
+        }
 
     def reconcile(self, instance_state: Callable[[str], str | None]) -> int:
         """Close operations a restart left open, from what the instance records show."""

@@ -18,7 +18,7 @@ from core.api_serializers import (
     body_error,
 )
 from nodes import status_cache
-from nodes.models import Node
+from nodes.models import MasterOperation, Node
 
 
 class NodeChangeSerializer(ApiSerializer):
@@ -224,3 +224,28 @@ class TakeoverSerializer(serializers.Serializer):
     previousEpoch = serializers.IntegerField(allow_null=True)
     epoch = serializers.IntegerField()
     nodes = serializers.DictField(help_text="Per node: the epoch it had, or why unreachable.")
+
+
+class MasterOperationSerializer(serializers.Serializer):
+    """One mutation the master sent to the node (nodes/operations.py): open until its
+    answer, or the agent's record (``reconciled``), closes it."""
+
+    operationId = serializers.CharField(source="operation_id")
+    kind = serializers.ChoiceField(choices=MasterOperation.Kind.choices)
+    method = serializers.CharField()
+    path = serializers.CharField()
+    target = serializers.CharField(help_text="The instance id, folder or rotation id.")
+    state = serializers.ChoiceField(choices=MasterOperation.State.choices)
+    reconciled = serializers.BooleanField(
+        help_text="Closed from the agent's record when the monitor reached the node."
+    )
+    statusCode = serializers.IntegerField(source="status_code", allow_null=True)
+    summary = serializers.CharField(help_text="The answer or error, short and redacted.")
+    attempts = serializers.IntegerField()
+    openedAt = IsoDateTime(source="opened_at")
+    closedAt = IsoDateTime(source="closed_at", allow_null=True)
+
+
+class MasterOperationListSerializer(serializers.Serializer):
+    operations = MasterOperationSerializer(many=True)
+    more = serializers.BooleanField(help_text="More operations than the page holds.")

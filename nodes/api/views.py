@@ -16,11 +16,14 @@ from rest_framework.response import Response
 
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
+from nodes import operations as master_operations
 from nodes import rotation, services, status_cache
 from nodes import status as node_status
 from nodes.api.serializers import (
     JoinTokenRequestSerializer,
     MaintenanceSerializer,
+    MasterOperationListSerializer,
+    MasterOperationSerializer,
     NodeChangeSerializer,
     NodeListSerializer,
     NodeSerializer,
@@ -40,7 +43,7 @@ def _node_answer(node: Node) -> Response:
 @extend_schema(tags=["nodes"])
 class NodeViewSet(viewsets.GenericViewSet):
     """The nodes, with commands as actions: approve, revoke, drain, undrain, rekey, rotate,
-    maintenance."""
+    maintenance; and the operations the master sent to each."""
 
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
@@ -119,6 +122,35 @@ class NodeViewSet(viewsets.GenericViewSet):
     def rotate(self, request: Request, node_id: str) -> Response:
         opened = rotation.rotate_now(node_id, actor=str(request.user))
         return Response(RotationSerializer(opened).data, status=202)
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "state",
+                OpenApiTypes.STR,
+                enum=["open", "succeeded", "failed"],
+                description="Only operations in this state.",
+            ),
+            OpenApiParameter(
+                "limit",
+                OpenApiTypes.INT,
+                description=f"At most this many, 1 to {master_operations.PAGE_MAX} "
+                f"({master_operations.PAGE_DEFAULT} when left out).",
+            ),
+        ],
+        responses={200: MasterOperationListSerializer, **errors(400, 404)},
+        description="The mutations the master sent to the node, newest first "
+        '(docs/operator-guide.md, "Operations the master sends").',
+    )
+    @action(detail=True, methods=["get"])
+    def operations(self, request: Request, node_id: str) -> Response:
+        rows, more = master_operations.page(
+            node_id,
+            state=request.query_params.get("state"),
+            limit=request.query_params.get("limit"),
+        )
+        listed = MasterOperationSerializer(rows, many=True).data
+        return Response({"operations": listed, "more": more})
 
     @extend_schema(
         request=MaintenanceSerializer,

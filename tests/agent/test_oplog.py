@@ -135,3 +135,45 @@ async def test_the_open_operations_are_listed_oldest_first_for_the_heartbeat(
     ]
     await log.close("op-b-000001", status=200, body=None)
     assert log.open_operations() == []
+
+
+async def test_one_operation_is_read_back_and_an_unknown_one_is_404(
+    running_agent: RunningAgent,
+) -> None:
+    """GET /agent/v1/operations/{id}: the record the master reconciles from, read-only."""
+    async with running_agent.session.post(
+        running_agent.url("/agent/v1/instances/nope/stop"),
+        headers={"MirbadLLM-Operation-Id": "op-read-0001"},
+    ) as resp:
+        assert resp.status == 404
+    async with running_agent.session.get(
+        running_agent.url("/agent/v1/operations/op-read-0001")
+    ) as resp:
+        assert resp.status == 200
+        record = await resp.json()
+    assert record["id"] == "op-read-0001" and record["state"] == "failed"
+    assert record["status"] == 404 and record["closedAt"] and record["kind"] == "stop"
+    assert json.loads(record["body"])["error"]["code"] == "not_found"
+    async with running_agent.session.get(
+        running_agent.url("/agent/v1/operations/op-never-001")
+    ) as resp:
+        assert resp.status == 404
+        assert resp.headers["x-mirbad-agent-error"] == "operation_unknown"
+        error = (await resp.json())["error"]
+    assert error["code"] == "operation_unknown"
+    assert error["details"]["oldestOpenedAt"] == record["openedAt"]
+    assert error["details"]["held"] == 1 and error["details"]["kept"] == 1000
+    # Reading is not a mutation: nothing is recorded for it.
+    assert set(running_agent.server.oplog.operations) == {"op-read-0001"}
+
+
+async def test_a_repeat_of_a_running_operation_says_so_in_its_details(tmp_path: Path) -> None:
+    from agent._errors import Conflict
+
+    log = OperationLog(state_dir=tmp_path)
+    await log.begin("op-run-00001", method="POST", path="/agent/v1/instances", instance_id="m-1")
+    with pytest.raises(Conflict) as refused:
+        await log.begin(
+            "op-run-00001", method="POST", path="/agent/v1/instances", instance_id="m-1"
+        )
+    assert refused.value.details == {"operationId": "op-run-00001", "operationState": "open"}

@@ -271,3 +271,38 @@ def test_an_operation_the_agent_keeps_open_is_listed_and_needs_attention(
     assert "Agent operation launch of m1-p1 open, opened 5 min ago (op-1)" in attention
     assert "m1-p2" not in attention  # a moment old: normal work
     assert _operations({"operations": "nope"}) == []
+
+
+@pytest.mark.django_db
+def test_the_masters_open_operations_are_on_the_node_page_and_need_attention(
+    client: Client, status_redis
+) -> None:
+    import datetime as dt
+
+    from django.utils import timezone
+
+    from nodes.models import MasterOperation
+
+    node = make_node("n1")
+    _status(node)
+    now = timezone.now()
+    for target, seconds, attempts in (("m1-p1", 300, 3), ("m1-p2", 2, 1)):
+        MasterOperation.objects.create(
+            operation_id=f"m-{target}-0000", node=node, kind="launch", method="POST",
+            path="/instances", target=target, attempts=attempts,
+            opened_at=now - dt.timedelta(seconds=seconds),
+        )  # fmt: skip
+    MasterOperation.objects.create(
+        operation_id="m-closed-0000", node=node, kind="stop", method="POST", path="/x",
+        target="gone-1", state="succeeded", opened_at=now - dt.timedelta(hours=1),
+    )  # fmt: skip
+    page = client.get("/nodes/n1/current/").content.decode()
+    rows = re.findall(r'<tr class="master-op[^"]*">.*?</tr>', page)
+    assert len(rows) == 2 and "gone-1" not in page  # the open ones only
+    assert "m1-p1" in rows[0] and "5 min ago" in rows[0] and "<td>3</td>" in rows[0]
+    assert 'class="master-op error"' in page  # the old one stands out
+    attention = client.get("/overview/summary/").content.decode()
+    line = "Master operation launch of m1-p1 open, opened 5 min ago, 3 attempt(s) (m-m1-p1-0000)."
+    assert line in attention
+    assert 'href="/nodes/n1/"' in attention
+    assert "m1-p2" not in attention  # a moment old: normal work

@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from agent.identity._tls import generate_key_and_csr, load_identity, store_identity
 from nodes import rotation, services
@@ -24,7 +25,7 @@ from tests.e2e.dropping_proxy import DroppingProxy
 class RotationAgent:
     """``python -m agent run`` on an enrolled state directory, killable."""
 
-    def __init__(self, folder: Path, node_id: str) -> None:
+    def __init__(self, folder: Path, node_id: str, *, config: dict[str, Any] | None = None) -> None:
         self.folder = folder
         self.node_id = node_id
         self.state = folder / "state"
@@ -39,6 +40,7 @@ class RotationAgent:
                     "ListenAddress": "127.0.0.1",
                     "Port": self.port,
                     "ModelsRoot": str(folder / "models"),
+                    **(config or {}),  # e.g. Executables, for a test that launches
                 }
             )
         )
@@ -105,12 +107,13 @@ def enroll_for_rotation(folder: Path, node_id: str) -> Node:
 
 @contextlib.contextmanager
 def rotation_rig(
-    folder: Path, node_id: str, *, lossy: bool = False
+    folder: Path, node_id: str, *, lossy: bool = False, config: dict[str, Any] | None = None
 ) -> Iterator[tuple[Node, RotationAgent, DroppingProxy | None]]:
     """An enrolled node and its running agent, ready; with ``lossy`` the master reaches it
-    through a DroppingProxy. The agent's log is printed when the body fails."""
+    through a DroppingProxy; ``config`` adds to the agent's agent.json. The agent's log is
+    printed when the body fails."""
     node = enroll_for_rotation(folder, node_id)
-    agent = RotationAgent(folder, node_id)
+    agent = RotationAgent(folder, node_id, config=config)
     proxy = DroppingProxy(upstream_port=agent.port).start() if lossy else None
     node.address = f"https://127.0.0.1:{proxy.port if proxy else agent.port}"
     node.save()
