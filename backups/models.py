@@ -72,3 +72,66 @@ class BackupDownload(models.Model):
 
     def __str__(self) -> str:
         return f"download of {self.file_name}"
+
+
+class RestoreJob(models.Model):
+    """One restore from the console: the uploaded document, its preview, then its progress.
+
+    ``previewed`` until the operator confirms (nothing is changed before), then
+    ``running`` while :mod:`backups.fleet_restore` fetches missing folders and starts
+    the auto-start models, then ``done``. The document is dropped once applied.
+    """
+
+    class State(models.TextChoices):
+        PREVIEWED = "previewed"
+        RUNNING = "running"
+        DONE = "done"
+
+    actor = models.CharField(max_length=150)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PREVIEWED)
+    file_name = models.CharField(max_length=200, blank=True)
+    document = models.BinaryField(blank=True)
+    sealed = models.BooleanField(default=False)
+    preview = models.JSONField(default=dict, blank=True)
+    applied = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return f"restore {self.pk} ({self.state})"
+
+
+class RestoreStep(models.Model):
+    """One model on one node in a restore's fleet phase: its folder, then its start."""
+
+    class Phase(models.TextChoices):
+        QUEUED = "queued"
+        PRESENT = "present"
+        DOWNLOADING = "downloading"
+        DOWNLOADED = "downloaded"
+        MISSING = "missing"
+        STARTING = "starting"
+        STARTED = "started"
+        STOPPED = "stopped"
+        FAILED = "failed"
+
+    job = models.ForeignKey(RestoreJob, on_delete=models.CASCADE, related_name="steps")
+    node_id = models.CharField(max_length=40)
+    served_name = models.CharField(max_length=200)
+    model_id_ref = models.PositiveIntegerField(null=True, blank=True)
+    folder = models.CharField(max_length=200)
+    start = models.BooleanField(default=False, help_text="An auto-start model: started after")
+    phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.QUEUED)
+    note = models.CharField(max_length=500, blank=True)
+    bytes_done = models.BigIntegerField(null=True, blank=True)
+    bytes_total = models.BigIntegerField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["node_id", "id"]
+
+    def __str__(self) -> str:
+        return f"{self.served_name} on {self.node_id}: {self.phase}"

@@ -16,3 +16,17 @@ def scheduled_backup() -> int | None:
     """
     run = services.scheduled_tick()
     return run.pk if run is not None else None
+
+
+@shared_task(name="backups.tasks.restore_fleet", ignore_result=True)
+def restore_fleet(job_id: int) -> None:
+    """A confirmed restore's fleet phase: downloads, then auto-starts (backups.fleet_restore).
+
+    No retry: each step records its own failure, and the operator starts what is left.
+    """
+    from backups import fleet_restore
+    from backups.models import RestoreJob
+
+    job = RestoreJob.objects.filter(pk=job_id, state=RestoreJob.State.RUNNING).first()
+    if job is not None:
+        fleet_restore.run(job.pk, (job.applied or {}).get("sources") or {})

@@ -7,11 +7,13 @@ from typing import Any
 from django import forms
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, HttpResponseNotAllowed
-from django.shortcuts import redirect, render
+from django.shortcuts import get_object_or_404, redirect, render
 from django.utils.cache import add_never_cache_headers
 
-from backups import services
+from backups import fleet_restore, services
 from backups.api.views import download_path
+from backups.models import RestoreJob
+from backups.reader import MAX_DOCUMENT_BYTES, BackupInvalid, WrongPassphrase
 from console.access import operator_required
 from core.errors import ServiceError
 
@@ -78,3 +80,85 @@ def backups_page(request: HttpRequest) -> HttpResponse:
     if context.get("link"):
         add_never_cache_headers(response)
     return response
+
+
+# -- restore ----------------------------------------------------------------------------
+
+
+class UploadForm(forms.Form):
+    document = forms.FileField(label="Backup file")
+    passphrase = forms.CharField(
+        required=False,
+        widget=forms.PasswordInput(render_value=False),
+        help_text="The backup's passphrase, to preview its API keys and CA; may be left empty.",
+    )
+
+
+def _uploaded_bytes(form: UploadForm) -> bytes | None:
+    """The file's bytes, or None (and an error at the field) when it is too large."""
+    upload = form.cleaned_data["document"]
+    if upload.size > MAX_DOCUMENT_BYTES:
+        form.add_error(
+            "document", f"is {upload.size} bytes; a backup is at most {MAX_DOCUMENT_BYTES}"
+        )
+        return None
+    return b"".join(upload.chunks())
+
+
+@operator_required
+def restore_page(request: HttpRequest) -> HttpResponse:
+    """Upload a backup: it is read and previewed, and nothing changes until confirmed."""
+    if request.method == "POST":
+        form = UploadForm(request.POST, request.FILES)
+        if form.is_valid():
+            data = _uploaded_bytes(form)
+            if data is not None:
+                try:
+                    job = fleet_restore.upload(
+                        data,
+                        passphrase=form.cleaned_data["passphrase"] or None,
+                        file_name=form.cleaned_data["document"].name or "",
+                        actor=request.user.get_username(),
+                    )
+                except BackupInvalid as exc:
+                    form.add_error(
+                        "passphrase" if isinstance(exc, WrongPassphrase) else "document", str(exc)
+                    )
+                else:
+                    return redirect("restore-job", job_id=job.pk)
+    elif request.method == "GET":
+        form = UploadForm()
+    else:
+        return HttpResponseNotAllowed(["GET", "POST"])
+    jobs = list(RestoreJob.objects.defer("document")[:20])
+    return render(
+        request, "console/restore.html", {"form": form, "jobs": jobs},
+        status=400 if form.errors else 200,
+    )  # fmt: skip
+
+
+@operator_required
+def restore_job(request: HttpRequest, job_id: int) -> HttpResponse:
+    """A restore's preview (with the confirm form) or, once applied, its live progress."""
+    job = get_object_or_404(RestoreJob.objects.defer("document"), pk=job_id)
+    error = ""
+    status = 200
+    if request.method == "POST":
+        chosen = request.POST.getlist("models")
+        try:
+            job = fleet_restore.confirm(
+                RestoreJob.objects.get(pk=job.pk),
+                passphrase=request.POST.get("passphrase") or None,
+                served_names=chosen,
+                actor=request.user.get_username(),
+            )
+        except (BackupInvalid, ServiceError) as exc:
+            error = exc.message if isinstance(exc, ServiceError) else str(exc)
+            status = 400
+        else:
+            return redirect("restore-job", job_id=job.pk)
+    elif request.method != "GET":
+        return HttpResponseNotAllowed(["GET", "POST"])
+    steps = list(job.steps.all())
+    context = {"job": job, "preview": job.preview, "steps": steps, "error": error}
+    return render(request, "console/restore_job.html", context, status=status)

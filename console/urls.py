@@ -56,6 +56,8 @@ urlpatterns = [
     path("keys/", key_views.keys_page, name="keys"),
     path("keys/<int:key_id>/revoke/", key_views.revoke_key, name="key-revoke"),
     path("backups/", backup_views.backups_page, name="backups"),
+    path("backups/restore/", backup_views.restore_page, name="restore"),
+    path("backups/restore/<int:job_id>/", backup_views.restore_job, name="restore-job"),
     path("login/", login_views.console_login, name="login"),
     path("logout/", auth_views.LogoutView.as_view(), name="logout"),
 ]

@@ -120,7 +120,18 @@ class NodeTelemetry(TypedDict):
     point: Point
 
 
-Event = NodeUpdated | ModelUpdated | DownloadUpdated | CertificateUpdated | NodeTelemetry
+class RestoreUpdated(TypedDict):
+    """A restore's fleet phase moved (backups.fleet_restore): its page renders it again."""
+
+    type: Literal["restore.updated"]
+    jobId: int
+    state: str
+
+
+Event = (
+    NodeUpdated | ModelUpdated | DownloadUpdated | CertificateUpdated | NodeTelemetry
+    | RestoreUpdated
+)  # fmt: skip
 
 
 def node_group(node_id: str) -> str:

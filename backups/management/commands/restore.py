@@ -1,7 +1,8 @@
 """``manage.py restore FILE``: preview a backup, restore its definitions, or rebuild.
 
     restore FILE --preview            what a restore would do; nothing changes
-    restore FILE [--models a,b]       write the definitions, merge the API keys
+    restore FILE [--models a,b]       write the definitions, merge the API keys, then fetch
+                                      missing folders and start the auto-start models
     restore FILE --rebuild            make this empty master the fleet's master again
 
 The passphrase comes from ``--passphrase-file`` or ``MIRBAD_RESTORE_PASSPHRASE`` (or
@@ -17,7 +18,8 @@ from typing import Any
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from backups import restore
+from backups import fleet_restore, restore
+from backups.models import RestoreStep
 from backups.reader import MAX_DOCUMENT_BYTES, BackupInvalid, parse
 from core.envconf import SettingError, env_secret
 from core.errors import ServiceError
@@ -66,11 +68,28 @@ class Command(BaseCommand):
             elif options["rebuild"]:
                 result = restore.rebuild(backup, actor="manage.py restore")
             else:
-                names = options["models"]
-                chosen = [n for n in names.split(",") if n] if names else None
-                result = restore.apply(backup, served_names=chosen, actor="manage.py restore")
+                result = self._restore(data, options)
         except BackupInvalid as exc:
             raise CommandError(f"{path}: {exc}") from None
         except ServiceError as exc:
             raise CommandError(exc.message) from None
         self.stdout.write(json.dumps(result, indent=2, default=str))
+
+    def _restore(self, data: bytes, options: dict[str, Any]) -> dict[str, Any]:
+        """Apply, then fetch the missing folders and start the auto-start models here."""
+        names = options["models"]
+        chosen = [n for n in names.split(",") if n] if names else None
+        passphrase = _passphrase(options["passphrase_file"])
+        actor = "manage.py restore"
+        job = fleet_restore.upload(data, passphrase=passphrase, file_name=options["file"],
+                                   actor=actor)  # fmt: skip
+        job = fleet_restore.confirm(job, passphrase=passphrase, served_names=chosen, actor=actor,
+                                    queue=False)  # fmt: skip
+        fleet_restore.run(job.pk, job.applied.get("sources") or {})
+        steps = [
+            {"node": s.node_id, "model": s.served_name, "folder": s.folder, "step": s.phase,
+             "note": s.note}
+            for s in RestoreStep.objects.filter(job=job)
+        ]  # fmt: skip
+        return {"models": job.applied["models"], "apiKeysAdded": job.applied["apiKeysAdded"],
+                "steps": steps}  # fmt: skip
