@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
 
 __all__ = ["RejectNulMiddleware"]
@@ -23,6 +25,19 @@ def _first_nul(params: object) -> str | None:
         if "\x00" in key or any("\x00" in v for v in values):
             return key.replace("\x00", "\\x00")[:60]
     return None
+
+
+def _too_big() -> HttpResponse:
+    """413 with the limit, not Django's bare "Bad Request": a form (or an uploaded
+    backup) over DATA_UPLOAD_MAX_MEMORY_SIZE is refused before anything reads it."""
+    limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return HttpResponse(
+        f"The form is larger than {limit} bytes, the most the console accepts before "
+        "logging in is checked. A larger backup file is restored on the master host "
+        'with: python manage.py restore FILE (docs/operator-guide.md, "Restore").',
+        status=413,
+        content_type="text/plain; charset=utf-8",
+    )
 
 
 class RejectNulMiddleware:
@@ -38,7 +53,10 @@ class RejectNulMiddleware:
             # Read the body first: parsing a multipart form from the stream would leave
             # nothing for a view that reads request.body (the editor's JSON endpoint
             # answers a form post with a 400 of its own). The size limit still applies.
-            request.body  # noqa: B018
+            try:
+                request.body  # noqa: B018
+            except RequestDataTooBig:
+                return _too_big()
             where, bad = "form", _first_nul(request.POST)
         if bad is not None:
             return HttpResponseBadRequest(

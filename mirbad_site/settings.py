@@ -52,6 +52,11 @@ INSTALLED_APPS = [
     "backups",
 ]
 
+# The largest form body read before the login is checked (the NUL guard reads it): per
+# connection, so it bounds memory with MIRBAD_HTTP_MAX_CONNECTIONS. An uploaded backup is
+# such a form; larger ones are restored with manage.py restore (docs/operator-guide.md).
+DATA_UPLOAD_MAX_MEMORY_SIZE = 2_621_440
+
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "mirbad_site.nul_guard.RejectNulMiddleware",

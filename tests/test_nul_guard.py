@@ -33,3 +33,20 @@ def test_a_nul_in_a_form_is_a_400(operator: object) -> None:
 
 def test_json_text_refuses_a_nul() -> None:
     assert not is_text("a\x00b") and not is_text("\ud800") and is_text("ü")
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("logged_in", [False, True])
+def test_a_form_over_the_limit_is_a_413_that_says_what_to_do(
+    logged_in: bool, operator: object
+) -> None:
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    client = Client()
+    if logged_in:
+        client.force_login(operator)  # type: ignore[arg-type]
+    big = SimpleUploadedFile("backup.json", b" " * (2_621_440 + 1))
+    answer = client.post("/backups/restore/", {"document": big})
+    assert answer.status_code == 413
+    text = answer.content.decode()
+    assert "larger than 2621440 bytes" in text and "manage.py restore FILE" in text
