@@ -35,10 +35,10 @@ from backups.reader import Backup
 from core.errors import ServiceError
 from models_registry import services as model_services
 from models_registry.models import MemorySample, ModelDefinition, Placement
-from nodes import audit, fencing
+from nodes import audit, fencing, master_store
 from nodes import services as node_services
 from nodes.models import Node
-from protocol.atomic import write_atomic
+from nodes.pki import PkiError
 from router.models import ApiKey
 
 log = logging.getLogger("mirbad.backups")
@@ -342,29 +342,29 @@ def rebuild_refusal(backup: Backup) -> str | None:
             "this master is not empty (it has models or enrolled nodes); rebuild onto a new "
             "data directory and an empty database"
         )
-    ca_path = settings.MIRBAD.pki_dir / "ca.crt"
-    if ca_path.exists():
-        theirs = x509.load_pem_x509_certificate(backup.ca["certPem"].encode())
-        if x509.load_pem_x509_certificate(ca_path.read_bytes()) != theirs:
+    theirs = x509.load_pem_x509_certificate(backup.ca["certPem"].encode())
+    for mine in master_store.stored_ca_certificates():
+        if mine != theirs:
             return (
-                f"this master already has its own CA ({ca_path}); rebuild onto a new data "
-                "directory, before its first start"
+                "this master already has its own CA (in its database, or in "
+                f"{settings.MIRBAD.pki_dir} to import); rebuild onto a new data directory "
+                "and an empty database, before its first start"
             )
     return None
 
 
 def _install_ca(ca: dict[str, str]) -> None:
+    """The backup's CA into the database (D80), where every master host reads it."""
     cert = x509.load_pem_x509_certificate(ca["certPem"].encode())
     key = serialization.load_pem_private_key(ca["keyPem"].encode(), password=None)
     if not isinstance(key, ec.EllipticCurvePrivateKey) or key.public_key() != cert.public_key():
         raise ServiceError(400, "invalid_backup", "$.secrets.ca: the key does not match the CA")
-    pki_dir = settings.MIRBAD.pki_dir
-    pki_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    for name, data in (("ca.key", ca["keyPem"]), ("ca.crt", ca["certPem"])):
-        try:
-            write_atomic(pki_dir / name, data.encode(), mode=0o600, exclusive=True)
-        except FileExistsError:
-            pass  # rebuild_refusal checked it is the same CA
+    try:
+        master_store.install_ca(cert, key)
+    except PkiError as exc:  # rebuild_refusal checked it; a racing start may not have been
+        raise ServiceError(409, "rebuild_refused", f"Rebuild refused: {exc}.") from None
+    # This process may have read a CA before (its own, made at a first use): not any more.
+    node_services.forget_master_pki()
 
 
 def _node_row(record: dict[str, Any]) -> Node:

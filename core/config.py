@@ -90,6 +90,10 @@ class MasterConfig:
     backup_passphrase: str | None = field(default=None, repr=False)
     backup_include_ca: bool = True
     backup_check_seconds: float = 60.0
+    # The key that seals the master's private keys in the database (nodes/master_store.py,
+    # D80): the same value on every master host. None: ``DATA_PATH/master.key``, made
+    # once by the first start of a single-host master.
+    master_key: str | None = field(default=None, repr=False)
 
     @property
     def http_limits(self) -> HttpLimits:
@@ -254,7 +258,13 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         backup_passphrase=env_secret("MIRBAD_BACKUP_PASSPHRASE", env=env),
         backup_include_ca=env_bool("MIRBAD_BACKUP_INCLUDE_CA", True, env=env),
         backup_check_seconds=env_float("MIRBAD_BACKUP_CHECK_SECONDS", 60.0, minimum=1.0, env=env),
+        master_key=env_secret("MIRBAD_MASTER_KEY", env=env),
     )
+    if config.master_key is not None and len(config.master_key) < 32:
+        raise SettingError(
+            "MIRBAD_MASTER_KEY: use at least 32 characters (e.g. the output of "
+            "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`)."
+        )
     daily_at = config.backup_daily_at
     if not re.fullmatch(r"([01]\d|2[0-3]):[0-5]\d", daily_at):
         raise SettingError(

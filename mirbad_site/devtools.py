@@ -122,6 +122,10 @@ def test(args: list[str]) -> int:
     os.environ["MIRBAD_TEST_LLAMA_SERVER"] = str(ensure_llama_server())
     # The suite's own data directory: never the developer's ./var.
     os.environ.setdefault("MIRBAD_DATA_PATH", tempfile.mkdtemp(prefix="mirbad-test-data-"))
+    # One master key for the suite, as every host of one database has (nodes/master_store):
+    # tests that move the data directory keep opening the keys they sealed. The e2e
+    # stacks drop every MIRBAD_ variable and make their own.
+    os.environ.setdefault("MIRBAD_MASTER_KEY", "the-test-suite-master-key-" + "0" * 16)
     ensure_debian_packages()
     with redis_for_tests():
         code = subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)

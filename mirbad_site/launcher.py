@@ -158,9 +158,16 @@ class Launcher:
         from django.core.management import call_command
 
         call_command("migrate", interactive=False, verbosity=0)
+        from nodes import master_store
         from nodes import services as node_services
 
-        node_services.master_pki()
+        try:
+            # The CA and the master's keys are in the database, sealed: a host given
+            # another host's database but not its MIRBAD_MASTER_KEY stops here, saying so.
+            master_store.check_key()
+            node_services.master_pki()
+        except master_store.MasterKeyError as exc:
+            raise LaunchError(f"configuration error: {exc}") from None
         node_services.ensure_bootstrap_node()
         node_services.write_bootstrap_bundle()
         return {"admin": self._ensure_admin(), "key": self._ensure_api_key()}

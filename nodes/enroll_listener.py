@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 from asgiref.sync import sync_to_async
 
-from nodes import pki, services
+from nodes import master_store, pki, services
 from protocol.http_limits import ConnectionGate, GuardedProtocol, HttpLimits, aiohttp_handler_limits
 
 log = logging.getLogger("mirbad.enroll")
@@ -94,11 +94,14 @@ class EnrollTls:
     @staticmethod
     def _leaf() -> pki.LeafCertificate:
         cfg = services.config()
-        return pki.ensure_enroll_certificate(
-            services.master_pki().ca,
-            cfg.enroll_addresses,
-            lifetime=dt.timedelta(seconds=cfg.master_cert_seconds),
-        )
+        try:
+            return master_store.ensure_enroll_certificate(
+                services.master_pki().ca,
+                cfg.enroll_addresses,
+                lifetime=dt.timedelta(seconds=cfg.master_cert_seconds),
+            )
+        finally:
+            master_store.close_thread_connection()  # keep_current runs it on a worker
 
     def refresh(self, leaf: pki.LeafCertificate | None = None) -> bool:
         """Load the current certificate when it changed; True when it did."""

@@ -234,3 +234,37 @@ class MasterOperation(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind} {self.target} on {self.node_id} ({self.state})"
+
+
+class MasterCredential(models.Model):
+    """One of the master's own key pairs, shared by every master host (docs/decisions.md D80).
+
+    ``name`` is ``ca`` (the internal CA), ``master-client`` (what the master presents to
+    agents) or ``enroll`` (the enroll listener's server certificate). The private key is
+    kept only sealed with the master key (AES-256-GCM, ``nodes/master_store.py``): a copy
+    of the database alone does not give the CA away. Each host writes the TLS files
+    Python's ``ssl`` needs from these rows into ``DATA_PATH/pki`` as caches.
+    """
+
+    name = models.CharField(max_length=40, primary_key=True)
+    cert_pem = models.TextField()
+    sealed_key = models.TextField(help_text="v1.<base64 of nonce + AES-256-GCM ciphertext>")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class MasterState(models.Model):
+    """The master's fencing identity, one row (pk 1): read by every process on every
+    master host, raised in one transaction at each monitor start (docs/decisions.md D81).
+    """
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=1)
+    instance_id = models.CharField(max_length=64)
+    epoch = models.BigIntegerField(default=0)
+    boot_id = models.CharField(max_length=64)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.instance_id}/{self.epoch}/{self.boot_id}"

@@ -509,6 +509,9 @@ class Monitor:
         Answers the nodes it stopped following (each announced once, by :meth:`unfollowed`).
         """
         async with self._refreshing:
+            # The workers' PendingTakeover check reads the identity on the loop each
+            # second: refreshed here off the loop, it seldom waits for the database.
+            await fencing.aread_identity(settings.MIRBAD.data_path)
             nodes = {n.node_id: n for n in await self.load_nodes()}
             dropped, stopped = [], []
             handed: dict[str, NodeWorker] = {}

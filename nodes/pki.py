@@ -1,6 +1,7 @@
 """The master's internal CA and the identity checks built on it.
 
-One ECDSA P-256 CA lives in ``DATA_PATH/pki`` (files 0600, directory 0700).
+One ECDSA P-256 CA, kept in the shared database by ``nodes/master_store.py`` (D80;
+``DATA_PATH/pki`` holds this host's 0600 copies for ``ssl``).
 It signs node certificates from CSRs (the node's key never leaves the node),
 the master's client certificate for dialing agents and the enroll listener's
 server certificate. Identity is the URI SAN (``spiffe://mirbadllm/...``) plus,
@@ -69,6 +70,11 @@ def fingerprint(cert: x509.Certificate) -> str:
     return "SHA256:" + spki_sha256(cert)
 
 
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    """The key as unencrypted PKCS#8 PEM (the master store seals it before it is kept)."""
+    return _key_pem(key)
+
+
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(
         serialization.Encoding.PEM,
@@ -82,40 +88,52 @@ def _ensure_private_dir(directory: Path) -> None:
     os.chmod(directory, 0o700)
 
 
+def new_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """A fresh self-signed CA certificate and its key (CA_YEARS of validity)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "MirbadLLM internal CA")])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=365 * CA_YEARS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .sign(key, hashes.SHA256())
+    )
+    return cert, key
+
+
 def load_or_create_ca(pki_dir: Path) -> CertificateAuthority:
-    """Load the CA, creating it on first boot (exactly once, even with racing processes)."""
+    """Load the CA of a folder, creating it there first (exactly once, even with racing
+    processes).
+
+    The master keeps its CA in the database (``nodes/master_store.py``, D80); a folder
+    like this is what earlier releases left in ``DATA_PATH/pki``, imported from there
+    once, and what tests build CAs with.
+    """
     _ensure_private_dir(pki_dir)
     cert_path, key_path = pki_dir / "ca.crt", pki_dir / "ca.key"
     if not cert_path.exists():
-        key = ec.generate_private_key(ec.SECP256R1())
-        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "MirbadLLM internal CA")])
-        now = _now()
-        cert = (
-            x509.CertificateBuilder()
-            .subject_name(name)
-            .issuer_name(name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=365 * CA_YEARS))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(
-                x509.KeyUsage(
-                    digital_signature=False,
-                    content_commitment=False,
-                    key_encipherment=False,
-                    data_encipherment=False,
-                    key_agreement=False,
-                    key_cert_sign=True,
-                    crl_sign=True,
-                    encipher_only=False,
-                    decipher_only=False,
-                ),
-                critical=True,
-            )
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
-            .sign(key, hashes.SHA256())
-        )
+        cert, key = new_ca()
         # The key goes first: a cert without its key must never be left behind.
         try:
             write_atomic(key_path, _key_pem(key), mode=0o600, exclusive=True, parents=True)
@@ -254,6 +272,58 @@ def _read_leaf(path: Path) -> LeafCertificate | None:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class LeafSpec:
+    """What one of the master's own certificates says: its name, SANs and key usages."""
+
+    name: str
+    common_name: str
+    sans: list[x509.GeneralName]
+    ekus: list[x509.ObjectIdentifier]
+
+
+def master_client_spec() -> LeafSpec:
+    """The certificate the master presents to agents (SAN ``spiffe://mirbadllm/master``)."""
+    return LeafSpec(
+        name="master-client",
+        common_name="mirbadllm-master",
+        sans=[x509.UniformResourceIdentifier(MASTER_SPIFFE_ID)],
+        ekus=[ExtendedKeyUsageOID.CLIENT_AUTH],
+    )
+
+
+def enroll_spec(addresses: Iterable[str]) -> LeafSpec:
+    """The enroll listener's server certificate; agents check it against the CA hash."""
+    return LeafSpec(
+        name="enroll",
+        common_name="mirbadllm-enroll",
+        sans=_general_names(addresses),
+        ekus=[ExtendedKeyUsageOID.SERVER_AUTH],
+    )
+
+
+def new_leaf(
+    ca: CertificateAuthority, spec: LeafSpec, *, lifetime: dt.timedelta
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A new key and the certificate the CA signs for it: one of the master's own leaves."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = _issue(
+        ca, public_key=key.public_key(), common_name=spec.common_name, sans=spec.sans,
+        ekus=spec.ekus, lifetime=lifetime,
+    )  # fmt: skip
+    return key, cert
+
+
+def leaf_of(path: Path, cert: x509.Certificate) -> LeafCertificate:
+    """The record of the leaf ``cert`` whose PEM (key and certificate) is at ``path``."""
+    return LeafCertificate(
+        path=path,
+        serial=cert.serial_number,
+        not_before=cert.not_valid_before_utc,
+        not_after=cert.not_valid_after_utc,
+    )
+
+
 def _ensure_leaf(
     ca: CertificateAuthority,
     *,
@@ -265,7 +335,11 @@ def _ensure_leaf(
 ) -> LeafCertificate:
     """The leaf ``<pki>/<name>.pem``, re-issued when it is missing or past half life.
 
-    Every master process calls this (web, monitor, Celery, the enroll listener, each
+    The file-only variant, for a CA made by :func:`load_or_create_ca` (tests; what an
+    earlier release kept). The master keeps its leaves in the database through
+    ``nodes/master_store.ensure_leaf`` (D80), which follows the same rules.
+
+    Every process calling this (web, monitor, Celery, the enroll listener, each
     every MIRBAD_PKI_CHECK_SECONDS): an exclusive lock on ``<name>.lock`` makes one of
     them re-issue and the others read its result. Key and certificate are one file
     written atomically, so no reader ever loads a key beside another key's certificate.

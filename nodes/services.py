@@ -25,7 +25,7 @@ from django.utils import timezone
 
 from core.config import MasterConfig
 from core.errors import ServiceError
-from nodes import events, pki
+from nodes import audit, events, fencing, master_store, pki
 from nodes.models import JoinToken, Node
 from protocol.atomic import write_atomic
 from protocol.names import NODE_ID_RE
@@ -59,10 +59,11 @@ _pki_state: dict[str, tuple[float, MasterPki]] = {}  # pki dir -> (next check, w
 
 
 def master_pki() -> MasterPki:
-    """The CA and the master's client certificate, created on first use.
+    """The CA and the master's client certificate from the database (shared by every
+    master host, ``nodes/master_store.py``), created on first use.
 
     Checked again every MIRBAD_PKI_CHECK_SECONDS and re-issued at half life
-    (``pki.ensure_master_client_certificate``), so a process that runs for years
+    (``master_store.ensure_master_client_certificate``), so a process that runs for years
     never presents an expired certificate (docs/decisions.md D53). Between checks it
     costs a clock read.
     """
@@ -72,12 +73,23 @@ def master_pki() -> MasterPki:
     cached = _pki_state.get(key)
     if cached is not None and now < cached[0]:
         return cached[1]
+    # The database is read (on a worker thread when this one runs an event loop: the
+    # monitor's and the router's clients ask here).
+    try:
+        return fencing.off_loop(lambda: _check_pki(cfg, key, now))
+    finally:
+        master_store.close_thread_connection()
+
+
+def _check_pki(cfg: MasterConfig, key: str, now: float) -> MasterPki:
     with _pki_lock:
         cached = _pki_state.get(key)
         if cached is not None and now < cached[0]:
             return cached[1]
-        ca = cached[1].ca if cached is not None else pki.load_or_create_ca(cfg.pki_dir)
-        client = pki.ensure_master_client_certificate(
+        # The CA never changes under a running process (a rebuild installs it before the
+        # first start, and calls forget_master_pki); the leaf may, on any host.
+        ca = cached[1].ca if cached is not None else master_store.load_or_create_ca()
+        client = master_store.ensure_master_client_certificate(
             ca, lifetime=dt.timedelta(seconds=cfg.master_cert_seconds)
         )
         if cached is not None and cached[1].client.serial != client.serial:
@@ -88,6 +100,13 @@ def master_pki() -> MasterPki:
         found = MasterPki(ca=ca, client=client)
         _pki_state[key] = (now + cfg.pki_check_seconds, found)
         return found
+
+
+def forget_master_pki() -> None:
+    """Drop what this process knows of the PKI: the next use reads the database again."""
+    with _pki_lock:
+        _pki_state.clear()
+    _context_cached.cache_clear()
 
 
 def ensure_bootstrap_node() -> Node:
@@ -463,7 +482,6 @@ def takeover() -> dict[str, object]:
     epoch the agents remember (stale_master). The operator must first make sure
     the previous master is stopped; the record is kept in DATA_PATH/takeover.json.
     """
-    from nodes import fencing
     from nodes.agent_client import AgentClient, AgentError
 
     cfg = config()
@@ -493,6 +511,10 @@ def takeover() -> dict[str, object]:
     log.warning(
         "Takeover: epoch %s -> %d (nodes: %s)", record["previousEpoch"], identity.epoch, seen
     )
+    audit.record(
+        "master.takeover", previousEpoch=record["previousEpoch"], epoch=identity.epoch,
+        nodes=seen,
+    )  # fmt: skip
     return record
 
 

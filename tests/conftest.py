@@ -77,17 +77,28 @@ async def close_db_after():
 
 
 @pytest.fixture
-def master_identity():
-    """master.json as a started monitor leaves it (removed afterwards)."""
+def master_identity(db):
+    """The identity as a started monitor leaves it (the database row, nodes/fencing.py)."""
     from django.conf import settings
 
     from nodes import fencing
+    from nodes.models import MasterState
 
-    path = settings.MIRBAD.data_path / "master.json"
-    path.unlink(missing_ok=True)
+    MasterState.objects.all().delete()
+    fencing.forget()
     identity = fencing.begin_epoch(settings.MIRBAD.data_path)
     yield identity
-    path.unlink(missing_ok=True)
+    fencing.forget()
+
+
+@pytest.fixture(autouse=True)
+def _no_cached_identity():
+    """Each process caches the master's identity for a second (nodes/fencing.py); each
+    test's database starts without one, so its cache does too."""
+    from nodes import fencing
+
+    fencing.forget()
+    yield
 
 
 @pytest.fixture(autouse=True)

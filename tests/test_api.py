@@ -183,9 +183,7 @@ def test_start_refusals(operator_client: APIClient, status_redis: object) -> Non
 def test_start_before_the_monitor_ever_ran_is_503(
     operator_client: APIClient, status_redis: object
 ) -> None:
-    from django.conf import settings
-
-    (settings.MIRBAD.data_path / "master.json").unlink(missing_ok=True)
+    # No identity row: this test's database has none (nodes/fencing.py, D81).
     node = make_node("n1", address="https://127.0.0.1:9")
     set_status(node, "Online")
     model = make_model("m", node)

@@ -104,6 +104,7 @@ def test_master_config_moves_with_ports(tmp_path: Path) -> None:
         ("MIRBAD_BACKUP_PASSPHRASE", "too short"),
         ("MIRBAD_BACKUP_INCLUDE_CA", "maybe"),
         ("MIRBAD_BACKUP_CHECK_SECONDS", "0"),
+        ("MIRBAD_MASTER_KEY", "shorter than 32 characters"),
     ],
 )
 def test_master_config_names_the_bad_variable(tmp_path: Path, name: str, value: str) -> None:

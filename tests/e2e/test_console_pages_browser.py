@@ -226,6 +226,21 @@ def test_the_console_pages_in_chromium(
         )
         shot("11-usage")
 
+        # Backups: Back up now redirects and shows the one-time link once.
+        page.goto(f"{stack.url}/backups/")
+        page.fill("#id_passphrase", "a browser passphrase, long enough")
+        page.click("#backup-now button[type=submit]")
+        page.wait_for_url(f"{stack.url}/backups/")
+        expect(page.locator("#backup-link")).to_have_attribute(
+            "href", re.compile(r"^/api/backups/download/")
+        )
+        expect(page.locator("#backup-runs tbody")).to_contain_text("sealed, with CA")
+        shot("12-backups")
+        page.reload()
+        expect(page.locator("#backup-link")).to_have_count(0)
+        runs = api.get("/api/backups").json()["runs"]
+        assert [r["kind"] for r in runs] == ["on_demand"] and runs[0]["hasCa"]
+
         browser.close()
     print(f"screenshots in {shots}")
     assert watch.problems == [], "\n".join(watch.problems)

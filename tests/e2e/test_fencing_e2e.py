@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -10,6 +9,7 @@ import httpx
 import psutil
 import pytest
 
+from tests.e2e import master_db
 from tests.e2e.conftest import ROOT, wait_for
 
 pytestmark = pytest.mark.slow
@@ -19,10 +19,9 @@ def test_monitor_restart_standby_stale_master_and_takeover(make_stack) -> None:
     stack = make_stack(embedded=False)
     facts = stack.start()
     api = stack.api(facts["API key"], timeout=30)
-    master_json = stack.data / "master.json"
 
-    def epoch() -> int:
-        return json.loads(master_json.read_text())["epoch"]
+    def epoch() -> int:  # the identity row every master process reads (D81)
+        return master_db.epoch(stack.env)
 
     def node() -> dict:
         return api.get("/api/nodes/local").json()
@@ -83,10 +82,8 @@ def test_monitor_restart_standby_stale_master_and_takeover(make_stack) -> None:
         )
         wait_for(lambda: node()["state"] == "Online", 20, "Online under the standby")
 
-        # An old identity: master.json restored with a lower epoch.
-        stale = json.loads(master_json.read_text())
-        stale["epoch"] = first_epoch - 1 if first_epoch > 1 else 0
-        master_json.write_text(json.dumps(stale))
+        # An old identity: the row restored with a lower epoch.
+        master_db.set_epoch(stack.env, first_epoch - 1 if first_epoch > 1 else 0)
         answers = [api.post(stop_url) for _ in range(20)]
         assert all(a.status_code == 503 for a in answers), [a.status_code for a in answers]
         assert {a.json()["error"]["code"] for a in answers} == {"stale_master"}

@@ -1,9 +1,7 @@
-"""master.json epochs, the outrank rule, the monitor lock and takeover."""
+"""Epochs (the database row), the outrank rule, the monitor lock and takeover."""
 
 from __future__ import annotations
 
-import json
-import stat
 from pathlib import Path
 
 import pytest
@@ -11,24 +9,27 @@ import pytest
 from nodes import fencing
 
 
+@pytest.mark.django_db
 def test_epoch_rises_every_start_and_keeps_the_instance(tmp_path: Path) -> None:
+    from nodes.models import MasterState
+
     first = fencing.begin_epoch(tmp_path)
     second = fencing.begin_epoch(tmp_path)
     assert second.epoch == first.epoch + 1
     assert second.instance_id == first.instance_id and second.boot_id != first.boot_id
-    assert stat.S_IMODE((tmp_path / "master.json").stat().st_mode) == 0o600
     assert fencing.begin_epoch(tmp_path, at_least=10).epoch == 10
     headers = fencing.request_headers(tmp_path)
-    assert (
-        headers["MirbadLLM-Master"]
-        == f"{first.instance_id}/10/" + json.loads((tmp_path / "master.json").read_text())["bootId"]
-    )
+    row = MasterState.objects.get()
+    assert headers["MirbadLLM-Master"] == f"{first.instance_id}/10/{row.boot_id}"
+    assert not (tmp_path / "master.json").exists()  # the database holds it, nothing else
 
 
+@pytest.mark.django_db
 def test_missing_and_broken_master_json(tmp_path: Path) -> None:
     with pytest.raises(fencing.FencingError, match="monitor has not started"):
         fencing.request_headers(tmp_path)
-    (tmp_path / "master.json").write_text("{")
+    fencing.forget()
+    (tmp_path / "master.json").write_text("{")  # an earlier release's, to import
     with pytest.raises(fencing.FencingError, match="unreadable"):
         fencing.read_identity(tmp_path)
 

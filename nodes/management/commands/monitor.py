@@ -1,7 +1,8 @@
 """``manage.py monitor``: the one active monitor, until SIGINT/SIGTERM.
 
 It first takes the monitor lock (a second monitor waits as a standby), then
-raises the fencing epoch in master.json, and only then dials any agent.
+raises the fencing epoch in the database (nodes.fencing, D81), and only then dials
+any agent.
 """
 
 from __future__ import annotations
