@@ -214,7 +214,10 @@ class AgentServer:
             gpus, problem = probe_gpus()
             if problem or not gpus:
                 reasons.append(
-                    {"code": "gpu_probe_failing", "message": problem or "nvidia-smi lists no GPU"}
+                    {
+                        "code": "gpu_probe_failing",
+                        "message": problem or "no NVIDIA GPU found (NVML, nvidia-smi)",
+                    }
                 )
         return reasons
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import psutil
 
+from agent.telemetry import _nvml
+
 log = logging.getLogger("mirbad.agent.describe")
 
 # What probe_gpus answers on a machine without the NVIDIA driver: not a failure, just no
@@ -87,7 +89,21 @@ def addresses() -> list[str]:
 
 
 def probe_gpus(timeout: float = 10.0) -> tuple[list[dict[str, Any]], str | None]:
-    """GPUs from nvidia-smi, and the reason the probe failed (None when it worked or is absent)."""
+    """The GPUs and why the probe failed (None when it worked): NVML first, nvidia-smi as
+    the fallback (agent/telemetry/_nvml.py). Neither present: [] and NVIDIA_SMI_ABSENT,
+    "no NVIDIA GPU", which callers treat as a fact, not a failure."""
+    found = _nvml.probe(timeout=min(timeout, 5.0))
+    if found is not None and found[1] is None and found[0]:
+        return found
+    gpus, problem = smi_gpus(timeout)
+    if problem is None or found is None or not found[1]:
+        return gpus, problem
+    # NVML is there but failing: that is the reason, whatever nvidia-smi says.
+    return [], found[1] if problem == NVIDIA_SMI_ABSENT else f"{found[1]}; {problem}"
+
+
+def smi_gpus(timeout: float = 10.0) -> tuple[list[dict[str, Any]], str | None]:
+    """GPUs from nvidia-smi, and the reason it failed (None when it worked)."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return [], NVIDIA_SMI_ABSENT

@@ -56,7 +56,7 @@ class GpuStarts:
         elif self.gpus.absent:
             have = "it has none: nvidia-smi is not installed"
         else:
-            have = f"it has none: {error or 'nvidia-smi lists no GPU'}"
+            have = f"it has none: {error or 'no NVIDIA GPU found (NVML, nvidia-smi)'}"
         raise SpecRejected(
             f"gpuUuids: {unknown[0]} is not a GPU of this node ({have})",
             details={"field": "gpuUuids", "unknown": unknown, "nodeGpus": known},
