@@ -53,12 +53,16 @@ def ensure_llama_server() -> Path:
 
 
 def ensure_debian_packages() -> None:
-    """Chromium (browser tests) and curl (the e2e test runs the printed curl line)."""
+    """Chromium (browser tests), curl (the e2e test runs the printed curl line), Podman
+    and runc (the container tests)."""
     missing = [
         package
         for package, present in (
             ("chromium", CHROMIUM.exists()),
             ("curl", shutil.which("curl") is not None),
+            # The container tests: Podman serves the Docker API here (tests/containers.py).
+            ("podman", shutil.which("podman") is not None),
+            ("runc", shutil.which("runc") is not None),
         )
         if not present
     ]

@@ -1,0 +1,118 @@
+"""A Docker-API engine on this machine, for the container tests: Podman serving the
+Docker API on a socket of its own, and an engine image built here from the test
+llama-server (there is no registry to pull one from).
+
+`podman_socket` starts `podman system service` with a containers.conf of ours
+(runc, and the lower ulimits this sandbox allows: docs/deploy.md once the compose
+issue lands); `engine_image` lays out a root file system with llama-server, every
+library `ldd` names and the dynamic loader, and imports it with an ENTRYPOINT.
+Both fail, never skip, when Podman is missing: `./mirbad test` installs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+CONTAINERS_CONF = """\
+[containers]
+default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
+
+[engine]
+runtime = "runc"
+"""
+ENGINE_DIR = "/opt/llama"
+
+
+def podman_env(folder: Path) -> dict[str, str]:
+    conf = folder / "containers.conf"
+    conf.write_text(CONTAINERS_CONF)
+    return {**os.environ, "CONTAINERS_CONF": str(conf)}
+
+
+def _podman() -> str:
+    found = shutil.which("podman")
+    if found is None:
+        raise AssertionError("podman is not installed: 'apt-get install podman runc'")
+    return found
+
+
+@contextlib.contextmanager
+def podman_socket(folder: Path) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A Podman Docker-API service on ``folder/podman.sock``, stopped afterwards."""
+    folder.mkdir(parents=True, exist_ok=True)
+    env = podman_env(folder)
+    socket = folder / "podman.sock"
+    service = subprocess.Popen(
+        [_podman(), "system", "service", "--time=0", f"unix://{socket}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(folder / "podman.log", "wb"),
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not socket.exists():
+            if service.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(
+                    "podman system service did not start: "
+                    + (folder / "podman.log").read_text(errors="replace")[-2000:]
+                )
+            time.sleep(0.1)
+        yield socket, env
+    finally:
+        service.terminate()
+        try:
+            service.wait(10)
+        except subprocess.TimeoutExpired:
+            service.kill()
+
+
+def _libraries(binary: Path) -> list[Path]:
+    """What the dynamic loader resolves for ``binary`` (``ldd``), the loader included."""
+    out = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        match = re.search(r"(/\S+)", line.split("=>")[-1])
+        if match:
+            found.append(Path(match[1]))
+    return found
+
+
+def engine_image(llama_server: Path, env: dict[str, str], folder: Path) -> str:
+    """An image whose entrypoint is llama-server, named by the build's content."""
+    build_dir = llama_server.parent
+    digest = hashlib.sha256(llama_server.read_bytes()).hexdigest()[:12]
+    name = f"localhost/mirbad-test-engine:{digest}"
+    have = subprocess.run([_podman(), "image", "exists", name], env=env, check=False)
+    if have.returncode == 0:
+        return name
+    rootfs = folder / "rootfs"
+    target = rootfs / ENGINE_DIR.lstrip("/")
+    shutil.copytree(build_dir, target, symlinks=True)
+    for lib in _libraries(llama_server):
+        if lib.is_relative_to(build_dir):
+            continue
+        destination = target / lib.name
+        if not destination.exists():
+            shutil.copy2(lib.resolve(), destination)
+    loader = Path("/lib64/ld-linux-x86-64.so.2")
+    (rootfs / "lib64").mkdir(exist_ok=True)
+    shutil.copy2(loader.resolve(), rootfs / "lib64" / loader.name)
+    (rootfs / "tmp").mkdir(mode=0o1777, exist_ok=True)
+    archive = folder / "rootfs.tar"
+    with tarfile.open(archive, "w") as tar:
+        tar.add(rootfs, arcname=".")
+    subprocess.run(
+        [_podman(), "import",
+         "--change", f'ENTRYPOINT ["{ENGINE_DIR}/llama-server"]',
+         "--change", f"ENV LD_LIBRARY_PATH={ENGINE_DIR}",
+         str(archive), name],
+        env=env, check=True, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    return name
