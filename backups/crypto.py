@@ -22,6 +22,8 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.scrypt import Scrypt
 
+from core.config import MIN_BACKUP_PASSPHRASE
+
 CIPHER = "AES-256-GCM"
 KDF = "scrypt"
 NONCE_BYTES = 12
@@ -37,7 +39,7 @@ MAX_P = 4
 DEFAULT_LOG2_N = 15
 DEFAULT_R = 8
 DEFAULT_P = 1
-MIN_PASSPHRASE = 12
+MIN_PASSPHRASE = MIN_BACKUP_PASSPHRASE
 
 
 class WrongPassphrase(Exception):

@@ -22,7 +22,7 @@ from asgiref.sync import async_to_sync
 from django.db import connections, transaction
 from django.utils import timezone
 
-from backups import restore
+from backups import inventory, restore
 from backups.models import RestoreJob, RestoreStep
 from backups.reader import Backup, parse
 from core.errors import ServiceError
@@ -206,36 +206,43 @@ def _start(step: RestoreStep, node: Node) -> None:
         _set(step, Phase.FAILED, f"the engine ended {state.get('now')}; see the model's log")
 
 
-def _present(node: Node) -> dict[str, dict[str, Any]] | None:
-    try:
-        with AgentClient(node=node, timeout=15) as client:
-            listing = client.model_folders()
-    except AgentError:
-        return None
-    return {str(f.get("folder")): f for f in listing.get("folders") or [] if isinstance(f, dict)}
-
-
 def _run_node(job_id: int, node_id: str, sources: dict[str, Any]) -> None:
     try:
         steps = list(RestoreStep.objects.filter(job_id=job_id, node_id=node_id))
+        files = dict(
+            ModelDefinition.objects.filter(pk__in=[s.model_id_ref for s in steps]).values_list(
+                "pk", "source_file"
+            )
+        )
         node = Node.objects.filter(node_id=node_id).first()
-        folders = _present(node) if node is not None else None
-        if node is None or folders is None:
+        answer = inventory.ask_nodes([node]).get(node_id) if node is not None else None
+        if node is None or answer is None or answer.folders is None:
+            why = answer.problem if answer is not None else "it is not on this master"
             for step in steps:
-                _set(step, Phase.FAILED, f"node {node_id} did not answer; start it there later")
+                _set(
+                    step,
+                    Phase.FAILED,
+                    f"node {node_id} did not answer ({why}); start it there later",
+                )
             return
-        ready: set[str] = {name for name, f in folders.items() if f.get("bytes")}
+        ready: set[str] = set()  # "folder/file" pairs in place on this node
+
+        def file_of(step: RestoreStep) -> str:
+            return files.get(step.model_id_ref or 0, "")
+
         for step in steps:  # folders first, one download at a time on this node
-            if step.folder in ready:
+            wanted = f"{step.folder}/{file_of(step)}"
+            if wanted in ready or inventory.holds(answer.folders, step.folder, file_of(step)):
                 _set(step, Phase.PRESENT)
+                ready.add(wanted)
             elif step.folder in sources:
                 if _fetch(step, sources[step.folder]):
-                    ready.add(step.folder)
+                    ready.add(wanted)
             else:
                 _set(step, Phase.MISSING, "the backup records no source for this folder; "
                      "copy it onto the node")  # fmt: skip
         for step in steps:  # then the starts, one after another
-            if step.start and step.folder in ready:
+            if step.start and f"{step.folder}/{file_of(step)}" in ready:
                 _start(step, node)
     finally:
         connections.close_all()  # this thread's database connection

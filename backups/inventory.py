@@ -67,6 +67,17 @@ def ask_nodes(nodes: list[Node]) -> dict[str, NodeFolders]:
     return answers
 
 
+def holds(folders: dict[str, dict[str, Any]], folder: str, file: str) -> bool:
+    """Whether a node's folders hold a model's file (not empty): what the preview calls
+    present and the fleet phase skips downloading. An operator's own copy counts; a
+    download still running has not put the file in place yet."""
+    entry = folders.get(folder) or {}
+    return any(
+        isinstance(f, dict) and f.get("name") == file and (f.get("bytes") or 0) > 0
+        for f in entry.get("files") or []
+    )
+
+
 def source_of(entry: dict[str, Any]) -> dict[str, Any] | None:
     """A fetched folder's source and files, as a restore needs them to fetch it again."""
     source = entry.get("source")

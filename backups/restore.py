@@ -149,8 +149,7 @@ def _model_preview(
         elif answer.folders is None:
             present, note = None, answer.problem
         else:
-            entry = answer.folders.get(folder)
-            present = bool(entry and entry.get("fetched", True) and entry.get("bytes"))
+            present = inventory.holds(answer.folders, folder, record["source"]["file"])
             note = None
         folders.append({
             "node": p["node"], "folder": folder, "present": present, "note": note,

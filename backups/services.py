@@ -127,10 +127,8 @@ def write_scheduled(run: BackupRun) -> BackupRun:
     directory = cfg.backup_directory
     try:
         built = build(passphrase=cfg.backup_passphrase, include_ca=cfg.backup_include_ca)
-        name = file_name_for(timezone.now(), directory) if directory.exists() else None
-        if name is None:
-            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            name = file_name_for(timezone.now(), directory)
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        name = file_name_for(timezone.now(), directory)
         write_atomic(directory / name, built.data, mode=0o600)
         pruned = prune(directory, cfg.backup_keep)
     except (OSError, ServiceError) as exc:

@@ -29,6 +29,9 @@ from core.envconf import (
 from protocol.http_limits import HttpLimits
 from protocol.names import NODE_ID_RE
 
+# The shortest passphrase that may seal a backup's secrets (backups/crypto.py reads it).
+MIN_BACKUP_PASSPHRASE = 12
+
 
 @dataclass(frozen=True, kw_only=True)
 class MasterConfig:
@@ -271,9 +274,12 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             f"MIRBAD_BACKUP_DAILY_AT: {daily_at!r} is not a time of day; use HH:MM, 24-hour, "
             "e.g. 03:00."
         )
-    if config.backup_passphrase is not None and len(config.backup_passphrase) < 12:
+    if (
+        config.backup_passphrase is not None
+        and len(config.backup_passphrase) < MIN_BACKUP_PASSPHRASE
+    ):
         raise SettingError(
-            "MIRBAD_BACKUP_PASSPHRASE: shorter than 12 characters; use a longer passphrase "
+            f"MIRBAD_BACKUP_PASSPHRASE: shorter than {MIN_BACKUP_PASSPHRASE} characters; use a longer passphrase "
             "(or unset it: scheduled backups then carry no secrets)."
         )
     if config.cert_renew_before_seconds >= config.node_cert_seconds:

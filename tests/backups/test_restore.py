@@ -237,3 +237,15 @@ def test_apply_names_an_unknown_model() -> None:
     document = {"schemaVersion": 2, "models": []}
     with pytest.raises(ServiceError, match="'ghost' is not a model of this backup"):
         restore.apply(parse(json.dumps(document).encode()), served_names=["ghost"], actor="t")
+
+
+def test_a_folder_is_present_when_it_holds_the_models_file() -> None:
+    from backups.inventory import holds
+
+    folders = {
+        "f": {"files": [{"name": "m.gguf", "bytes": 10}, {"name": "empty.gguf", "bytes": 0}]}
+    }
+    assert holds(folders, "f", "m.gguf")
+    assert not holds(folders, "f", "empty.gguf")  # a file being written, or truncated
+    assert not holds(folders, "f", "other.gguf")
+    assert not holds(folders, "g", "m.gguf")
