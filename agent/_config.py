@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from agent._errors import ConfigError
 from protocol.http_limits import HttpLimits
+from protocol.images import DIGEST_RE
 from protocol.names import node_id_problem
 
 __all__ = [
@@ -79,6 +80,19 @@ class AgentConfig:
     stop_instances_on_shutdown: bool = False
     docker_expected: bool = False
     docker_endpoint: str = "unix:///var/run/docker.sock"
+    # The container runtime (docs/agent.md, "Containers"): off unless the node says so.
+    docker_enabled: bool = False
+    docker_call_timeout_seconds: float = 120.0
+    docker_startup_timeout_seconds: float = 120.0
+    # The models volume as the Docker engine sees it (the agent's ModelsRoot when null:
+    # an agent on the host); the cache volume likewise (no cache mount when null).
+    models_host_path: Path | None = None
+    cache_host_path: Path | None = None
+    # A Docker network the engines join, reached at ss-<instanceId>:8000 (an agent that
+    # itself runs in a container on that network); null: a port published on 127.0.0.1.
+    docker_network: str | None = None
+    approved_images: tuple[str, ...] = ()
+    allow_tag_pulls: bool = False
     gpus_expected: bool = False
     log_level: str = "INFO"
     # Extra environment variables this node's operator lets a launch set for its
@@ -313,6 +327,31 @@ def _engine_env_allow(value: Any, src: _Source) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _approved_images(value: Any, src: _Source) -> tuple[str, ...]:
+    value = _json_from_env(value, src)
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise src.fail(f"{_describe(value)} is not a list of strings", 'set e.g. ["sha256:..."]')
+    for digest in value:
+        if not DIGEST_RE.fullmatch(digest):
+            raise src.fail(
+                f"{digest!r} is not an image digest",
+                "use sha256: and 64 lower-case hex digits (docker images --digests)",
+            )
+    return tuple(value)
+
+
+_DOCKER_NETWORK_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _docker_network(value: Any, src: _Source) -> str | None:
+    if value is None or value == "":
+        return None
+    text = _string(value, src)
+    if not _DOCKER_NETWORK_RE.fullmatch(text):
+        raise src.fail(f"{text!r} is not a Docker network name", "use letters, digits, _ . -")
+    return text
+
+
 def _bool(value: Any, src: _Source) -> bool:
     if src.env_var and isinstance(value, str):
         text = value.strip().lower()
@@ -436,6 +475,17 @@ _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "StopInstancesOnShutdown": ("stop_instances_on_shutdown", _bool),
     "DockerExpected": ("docker_expected", _bool),
     "DockerEndpoint": ("docker_endpoint", _docker_endpoint),
+    "DockerEnabled": ("docker_enabled", _bool),
+    "DockerCallTimeoutSeconds": ("docker_call_timeout_seconds", _seconds(allow_zero=False)),
+    "DockerStartupTimeoutSeconds": (
+        "docker_startup_timeout_seconds",
+        _seconds(allow_zero=True),
+    ),
+    "ModelsHostPath": ("models_host_path", _optional_path),
+    "CacheHostPath": ("cache_host_path", _optional_path),
+    "DockerNetwork": ("docker_network", _docker_network),
+    "ApprovedImages": ("approved_images", _approved_images),
+    "AllowTagPulls": ("allow_tag_pulls", _bool),
     "GpusExpected": ("gpus_expected", _bool),
     "LogLevel": ("log_level", _log_level),
     "EngineEnvAllow": ("engine_env_allow", _engine_env_allow),

@@ -33,6 +33,7 @@ One tree, so callers can catch as broadly or narrowly as they need::
         +-- ModelNotRunning         503 model_not_running
         +-- ServerBusy              503 server_busy
         +-- StateUnavailable        503 state_unavailable
+        +-- DockerUnavailable       503 docker_unavailable (the container engine does not answer)
 
     WireError                       a request of the proxy hops' HTTP client failed (protocol.wire)
     +-- ConnectFailed               connect or TLS handshake failed: nothing was sent
@@ -210,6 +211,11 @@ class ServerBusy(ApiError):
 
 class StateUnavailable(ApiError):
     code = AgentCode.STATE_UNAVAILABLE
+    status = 503
+
+
+class DockerUnavailable(ApiError):
+    code = AgentCode.DOCKER_UNAVAILABLE
     status = 503
 
 

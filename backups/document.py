@@ -48,6 +48,7 @@ def model_record(model: ModelDefinition) -> dict[str, Any]:
         "servedName": model.served_name,
         "runtime": model.runtime,
         "delivery": model.delivery,
+        "image": model.image,
         "source": {"folder": model.source_folder, "file": model.source_file},
         "settings": model.settings,
         "executableVersion": model.executable_version,

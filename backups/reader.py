@@ -19,12 +19,14 @@ from typing import Any, TypeVar
 
 from backups import crypto
 from backups.document import FORMAT, READABLE_VERSIONS
+from models_registry.services import RUNTIMES
+from protocol.engine_flags import DELIVERIES
 from protocol.names import NODE_ID_RE, NameRefused, check_folder_name
 from router.models import SCOPES
 
 MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
-_RUNTIMES = ("llamacpp", "vllm")
-_DELIVERIES = ("process", "container")
+_RUNTIMES = RUNTIMES
+_DELIVERIES = DELIVERIES
 _DESIRED = ("running", "stopped")
 _ISO = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(\.\d+)?(Z|[+-]\d{2}:\d{2})?$")
 
@@ -177,9 +179,11 @@ def _model(version: int) -> Callable[[Any, str], dict[str, Any]]:
             "servedName": _str(_get(m, "servedName"), f"{path}.servedName", max_len=200, empty=False),
             "runtime": _choice(_get(m, "runtime", "llamacpp"), f"{path}.runtime", _RUNTIMES),
             "delivery": _choice(_get(m, "delivery", "process"), f"{path}.delivery", _DELIVERIES),
+            "image": _str(_get(m, "image", ""), f"{path}.image", max_len=512),
             "source": {
                 "folder": folder,
-                "file": _str(_get(source, "file"), f"{path}.source.file", max_len=255, empty=False),
+                # Empty for vLLM, which reads the whole folder.
+                "file": _str(_get(source, "file"), f"{path}.source.file", max_len=255),
             },
             "settings": _obj(_get(m, "settings", {}), f"{path}.settings"),
             "executableVersion": _str(_get(m, "executableVersion", ""), f"{path}.executableVersion", max_len=60),

@@ -46,7 +46,7 @@ log = logging.getLogger("mirbad.backups")
 # The fields a preview compares; ``id`` and ``desiredState`` describe the old master's
 # rows and runtime, not the definition.
 COMPARED = (
-    "runtime", "delivery", "source", "settings", "executableVersion", "autoStart",
+    "runtime", "delivery", "image", "source", "settings", "executableVersion", "autoStart",
     "memoryBudgetBytes", "placements",
 )  # fmt: skip
 
@@ -58,9 +58,11 @@ def _placements_of(record: dict[str, Any], backup: Backup) -> list[dict[str, Any
     return [{"node": settings.MIRBAD.bootstrap_node_id, "gpuUuids": [], "gpuBudgets": []}]
 
 
-def _settings(raw: dict[str, Any]) -> dict[str, Any]:
+def _settings(raw: dict[str, Any], runtime: str = "llamacpp") -> dict[str, Any]:
     """Settings as a saved definition holds them (defaults filled), so equal ones compare equal."""
     try:
+        if runtime == "vllm":
+            return model_services.clean_vllm_settings(raw).to_dict()
         return model_services.clean_settings(raw).to_dict()
     except ServiceError:
         return raw  # refused: the dry run says why
@@ -68,7 +70,7 @@ def _settings(raw: dict[str, Any]) -> dict[str, Any]:
 
 def _comparable(record: dict[str, Any], placements: list[dict[str, Any]]) -> dict[str, Any]:
     out = {k: record.get(k) for k in COMPARED}
-    out["settings"] = _settings(record.get("settings") or {})
+    out["settings"] = _settings(record.get("settings") or {}, str(record.get("runtime")))
     out["placements"] = sorted(
         ({"node": p["node"], "gpuUuids": p["gpuUuids"], "gpuBudgets": p["gpuBudgets"]}
          for p in placements),
@@ -82,6 +84,8 @@ def _definition(record: dict[str, Any], placements: list[dict[str, Any]]) -> dic
     return {
         "served_name": record["servedName"],
         "runtime": record["runtime"],
+        "delivery": record["delivery"],
+        "image": record["image"],
         "source_folder": record["source"]["folder"],
         "source_file": record["source"]["file"],
         "settings": record["settings"],
@@ -396,7 +400,8 @@ def _restore_rows(backup: Backup) -> None:
     for record in backup.models:
         model = ModelDefinition.objects.create(
             pk=record["id"], served_name=record["servedName"], runtime=record["runtime"],
-            delivery=record["delivery"], source_folder=record["source"]["folder"],
+            delivery=record["delivery"], image=record["image"],
+            source_folder=record["source"]["folder"],
             source_file=record["source"]["file"], settings=record["settings"],
             executable_version=record["executableVersion"], auto_start=record["autoStart"],
             memory_budget_bytes=record["memoryBudgetBytes"],

@@ -27,7 +27,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 
 from core.errors import ServiceError
-from models_registry import admission, llamacpp
+from models_registry import admission, llamacpp, vllm
 from models_registry.estimate import GIB, EstimateError
 from models_registry.models import MemorySample, ModelDefinition, Placement
 from models_registry.services import get_model
@@ -44,29 +44,62 @@ log = logging.getLogger("mirbad.models")
 # -- launch specs and fingerprints ------------------------------------------------------
 
 
+# Where a container model's folder appears inside its container (read-only).
+CONTAINER_MODELS_TARGET = "/models"
+# vLLM's workers share tensors through /dev/shm; Docker's default (64 MiB) is too small.
+VLLM_SHM_BYTES = 16 * 2**30
+ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vllm"}
+
+
 def _argv(model: ModelDefinition, placement: Placement) -> list[str]:
-    settings = llamacpp.saved_settings(model.settings, model=model.served_name)
+    """The one argv of a placement: the runtime's builder, nowhere else."""
+    if model.runtime == "vllm":
+        settings = vllm.saved_settings(model.settings, model=model.served_name)
+        try:
+            return vllm.build_argv(
+                settings=settings, served_name=model.served_name, gpus=len(placement.gpu_uuids)
+            )
+        except llamacpp.SettingsError as exc:
+            name, problem = next(iter(exc.errors.items()))
+            raise ServiceError(
+                409,
+                "vllm_settings_invalid",
+                f"Model '{model.served_name}' on {placement.node.node_id}: settings.{name}: "
+                f"{problem}",
+            ) from None
     return llamacpp.build_argv(
-        settings=settings,
+        settings=llamacpp.saved_settings(model.settings, model=model.served_name),
         served_name=model.served_name,
         gpus=len(placement.gpu_uuids),
         tensor_split=placement.gpu_budgets or None,
+        delivery=model.delivery,
     )
 
 
 def launch_spec(model: ModelDefinition, placement: Placement) -> dict[str, Any]:
     """The agent's launch request: the canonical argv built here, nowhere else."""
+    container = model.delivery == ModelDefinition.Delivery.CONTAINER
     spec: dict[str, Any] = {
         "instanceId": placement.instance_id,
         "modelId": model.pk,
         "servedName": model.served_name,
         "runtime": model.runtime,
         "delivery": model.delivery,
-        "executable": {"name": "llama.cpp", "version": model.executable_version or None},
-        "model": {"folder": model.source_folder, "file": model.source_file},
+        "executable": {
+            "name": ENGINE_NAMES.get(model.runtime, model.runtime),
+            # A container's engine is its image; a process's is the node's build.
+            "version": None if container else (model.executable_version or None),
+        },
+        "model": {"folder": model.source_folder, "file": model.source_file or None},
         "args": _argv(model, placement),
         "env": {},
     }
+    if container:
+        spec["container"] = {
+            "image": model.image,
+            "mounts": [{"source": "models", "target": CONTAINER_MODELS_TARGET, "readOnly": True}],
+            "shmSizeBytes": VLLM_SHM_BYTES if model.runtime == "vllm" else None,
+        }
     if placement.gpu_uuids:
         spec["gpuUuids"] = list(placement.gpu_uuids)
     return spec
@@ -75,9 +108,9 @@ def launch_spec(model: ModelDefinition, placement: Placement) -> dict[str, Any]:
 def restart_pending(model: ModelDefinition, placement: Placement, instance: dict | None) -> bool:
     """True when what runs no longer matches the definition (docs/operator-guide.md, "llama.cpp settings").
 
-    The fingerprint is the canonical argv, the executable version and the
-    environment names; with no version pinned on the model, the version the
-    node resolved is the expected one.
+    The fingerprint is the canonical argv, the executable version (a container's image
+    reference in its place) and the environment names; with no version pinned on a
+    process model, the version the node resolved is the expected one.
     """
     if not instance or instance.get("state") not in ACTIVE or not instance.get("fingerprint"):
         return False
@@ -86,11 +119,11 @@ def restart_pending(model: ModelDefinition, placement: Placement, instance: dict
         argv = _argv(model, placement)
     except ServiceError:
         return True  # saved settings now refused: what runs matches no startable definition
-    expected = llamacpp.execution_fingerprint(
-        argv=argv,
-        executable_version=model.executable_version or running_version,
-        env_names=[],
-    )
+    if model.delivery == ModelDefinition.Delivery.CONTAINER:
+        version = model.image
+    else:
+        version = model.executable_version or running_version
+    expected = llamacpp.execution_fingerprint(argv=argv, executable_version=version, env_names=[])
     return expected != instance["fingerprint"]
 
 
@@ -193,6 +226,72 @@ def estimate_for(model: ModelDefinition, gpus: int, header: dict[str, Any]) -> d
     }
 
 
+def placement_estimate(
+    model: ModelDefinition, placement: Placement, status: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """The estimate admission uses for one placement, by runtime."""
+    if model.runtime == "vllm":
+        return vllm_estimate(model, placement, status)
+    header = read_header(model, placement.node)
+    return estimate_for(model, len(placement.gpu_uuids), header)
+
+
+def vllm_estimate(
+    model: ModelDefinition, placement: Placement, status: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """vLLM takes its gpu_memory_utilization share of each placed GPU's total at start.
+
+    There is no header to read: the budget per GPU is that share of the card, which is
+    what vLLM preallocates (docs/operator-guide.md, "vLLM settings (containers)").
+    """
+    if not placement.gpu_uuids:
+        raise ServiceError(
+            409,
+            "admission_refused",
+            f"Model '{model.served_name}' runs on vLLM, which needs GPUs: place it on "
+            f"{placement.node.node_id} with gpuUuids.",
+        )
+    settings = vllm.saved_settings(model.settings, model=model.served_name)
+    gpus = admission.node_gpus(placement.node, status)
+    totals = [int(gpus.get(u, {}).get("memoryTotalBytes") or 0) for u in placement.gpu_uuids]
+    shares = vllm.memory_budget_bytes(settings, totals)
+    return {
+        "breakdown": {},
+        "budgetBytes": sum(shares),
+        "gpuBudgets": shares,
+        "budgetSource": "gpu-memory-utilization",
+        "gpus": len(placement.gpu_uuids),
+        "file": model.source_folder,
+        "computedAt": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def check_node_offers(model: ModelDefinition, node: Node) -> None:
+    """409 when the node's agent does not offer the model's runtime and delivery.
+
+    Agents list ``runtime.<engine>.<delivery>`` in their features (docs/agent-api.md);
+    a node that reported none (an agent older than the list) is taken to run
+    llama.cpp processes only.
+    """
+    wanted = f"runtime.{model.runtime}.{model.delivery}"
+    features = (node.facts or {}).get("features")
+    offered = [f for f in features or [] if isinstance(f, str) and f.startswith("runtime.")]
+    if not offered:
+        offered = ["runtime.llamacpp.process"]
+    if wanted not in offered:
+        raise ServiceError(
+            409,
+            "runtime_not_offered",
+            f"Node {node.node_id} does not offer {model.runtime} as a {model.delivery} (it "
+            f"offers: {', '.join(o.removeprefix('runtime.') for o in offered)}). "
+            + (
+                'Turn on DockerEnabled in its agent.json (docs/agent.md, "Containers").'
+                if model.delivery == "container"
+                else "Place the model on another node."
+            ),
+        )
+
+
 def _budget_of(model_id: Any) -> int:
     model = ModelDefinition.objects.filter(pk=model_id).first()
     if model is None:
@@ -222,7 +321,7 @@ def admission_lines(
     return admission.check(
         node=placement.node,
         gpu_uuids=list(placement.gpu_uuids),
-        gpu_budgets=list(placement.gpu_budgets),
+        gpu_budgets=list(estimate.get("gpuBudgets") or placement.gpu_budgets),
         budget=int(estimate["budgetBytes"]),
         status=status,
         starting_budgets=starting_budgets(status, skip=placement.instance_id),
@@ -236,8 +335,7 @@ def model_estimate(model_id: int, *, node_id: str | None = None) -> dict[str, An
     answers = []
     for placement in placements:
         status = dict(node_status.read(placement.node))
-        header = read_header(model, placement.node)
-        estimate = estimate_for(model, len(placement.gpu_uuids), header)
+        estimate = placement_estimate(model, placement, status)
         lines = admission_lines(model, placement, estimate, status)
         answers.append(
             {
@@ -272,9 +370,9 @@ def _prepare(model: ModelDefinition, placement: Placement, *, force: bool) -> di
     """Every check of one placement's start; answers its launch spec."""
     status = check_node_for_start(placement.node)
     _require_fencing()
+    check_node_offers(model, placement.node)
     current = ((status or {}).get("instances") or {}).get(placement.instance_id)
-    header = read_header(model, placement.node)
-    estimate = estimate_for(model, len(placement.gpu_uuids), header)
+    estimate = placement_estimate(model, placement, status)
     _remember_estimate(model, estimate)
     if current and current.get("state") in ACTIVE:
         # Already running: the agent answers it as it is (a launch is idempotent),

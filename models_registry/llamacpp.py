@@ -25,6 +25,7 @@ from protocol.engine_flags import (
     FlagRefused,
     check_chat_template,
     check_extra_args,
+    listen_host,
 )
 
 ENGINE = "llamacpp"
@@ -201,8 +202,12 @@ def build_argv(
     served_name: str,
     gpus: int = 0,
     tensor_split: list[int] | None = None,
+    delivery: str = "process",
 ) -> list[str]:
     """The canonical llama-server argv, with ``{model}`` and ``{port}`` left to the agent.
+
+    ``delivery`` decides ``--host``: loopback for a process, every address of its own
+    network namespace in a container (protocol.engine_flags.listen_host).
 
     ``gpus`` is the number of GPUs the placement pins (the agent makes exactly
     those visible, so devices are always CUDA0..N-1 of the renumbered set);
@@ -240,9 +245,16 @@ def build_argv(
     argv += ["--reasoning", settings.reasoning]
     if settings.threads is not None:
         argv += ["-t", str(settings.threads)]
-    argv += ALWAYS_FLAGS
+    argv += ALWAYS_FLAGS if delivery == "process" else _host_for(delivery)
     argv += settings.extra_args
     return argv
+
+
+def _host_for(delivery: str) -> list[str]:
+    """ALWAYS_FLAGS with the ``--host`` of ``delivery``."""
+    flags = list(ALWAYS_FLAGS)
+    flags[flags.index("--host") + 1] = listen_host(delivery)
+    return flags
 
 
 def execution_fingerprint(*, argv: list[str], executable_version: str, env_names: list[str]) -> str:

@@ -32,6 +32,8 @@ class ModelDefinition(models.Model):
     served_name = models.CharField(max_length=200, unique=True)
     runtime = models.CharField(max_length=16, choices=Runtime.choices, default=Runtime.LLAMACPP)
     delivery = models.CharField(max_length=16, choices=Delivery.choices, default=Delivery.PROCESS)
+    # The engine image of a container model (docs/operator-guide.md, "Containers").
+    image = models.CharField(max_length=512, blank=True, help_text="Container image reference")
     source_folder = models.CharField(max_length=200, validators=[folder_validator])
     source_file = models.CharField(max_length=255)
     settings = models.JSONField(default=dict, blank=True, help_text="Typed runtime settings")

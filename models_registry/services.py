@@ -15,13 +15,15 @@ from typing import Any
 from django.db import transaction
 
 from core.errors import ServiceError
-from models_registry import llamacpp
+from models_registry import llamacpp, vllm
 from models_registry.models import ModelDefinition, Placement
 from nodes import status as node_status
 from nodes.agent_client import check_folder
 from nodes.events import ModelSummary
 from nodes.models import Node
 from nodes.status_cache import NodeStatus
+from protocol.engine_flags import DELIVERIES
+from protocol.images import ImageRefused, parse_image
 from protocol.states import InstanceState
 
 log = logging.getLogger("mirbad.models")
@@ -55,27 +57,70 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
         )
     cleaned["served_name"] = served
     runtime = data.get("runtime", instance.runtime if instance else "llamacpp")
-    if runtime != "llamacpp":
-        raise _invalid("runtime", "only 'llamacpp' is available in this version")
+    if runtime not in RUNTIMES:
+        raise _invalid("runtime", f"use one of {', '.join(RUNTIMES)}")
     cleaned["runtime"] = runtime
-    cleaned["delivery"] = "process"
+    cleaned["delivery"], cleaned["image"] = clean_delivery(data, runtime, instance)
     folder = data.get("source_folder", instance.source_folder if instance else None)
     try:
         check_folder(folder, "source_folder")  # the agent's own rule, not a copy
     except ServiceError:
         raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'") from None
     cleaned["source_folder"] = folder
-    cleaned["source_file"] = clean_source_file(
-        data.get("source_file", instance.source_file if instance else None)
-    )
-    cleaned["settings"] = clean_settings(
-        data.get("settings", instance.settings if instance else {})
+    source_file = data.get("source_file", instance.source_file if instance else None)
+    if runtime == "vllm" and source_file in (None, ""):
+        cleaned["source_file"] = ""  # vLLM reads the whole (Hugging Face) folder
+    else:
+        cleaned["source_file"] = clean_source_file(source_file)
+    raw_settings = data.get("settings", instance.settings if instance else {})
+    cleaned["settings"] = (
+        clean_vllm_settings(raw_settings) if runtime == "vllm" else clean_settings(raw_settings)
     ).to_dict()
     if "auto_start" in data:
         if not isinstance(data["auto_start"], bool):
             raise _invalid("auto_start", "must be true or false")
         cleaned["auto_start"] = data["auto_start"]
     return cleaned
+
+
+RUNTIMES = ("llamacpp", "vllm")
+
+
+def clean_delivery(
+    data: dict[str, Any], runtime: str, instance: ModelDefinition | None
+) -> tuple[str, str]:
+    """(delivery, image): vLLM only in a container; a container needs an image reference."""
+    default = "container" if runtime == "vllm" else "process"
+    delivery = data.get("delivery", instance.delivery if instance else default)
+    if delivery not in DELIVERIES:
+        raise _invalid("delivery", f"use one of {', '.join(DELIVERIES)}")
+    if runtime == "vllm" and delivery != "container":
+        raise _invalid("delivery", "vLLM runs only in a container: use 'container'")
+    image = data.get("image", instance.image if instance else "")
+    if delivery == "process":
+        if image not in (None, ""):
+            raise _invalid("image", "only a model with delivery 'container' has an image")
+        return delivery, ""
+    try:
+        return delivery, str(parse_image(image, "image"))
+    except ImageRefused as exc:
+        raise _invalid("image", str(exc).removeprefix("image ")) from None
+
+
+def clean_vllm_settings(raw: Any) -> vllm.VllmSettings:
+    """vLLM settings parsed, else 400 vllm_settings_invalid naming every bad field."""
+    if not isinstance(raw, dict):
+        raise _invalid("settings", "must be an object")
+    try:
+        return vllm.VllmSettings.from_dict(raw)
+    except llamacpp.SettingsError as exc:
+        first = next(iter(exc.errors))
+        raise ServiceError(
+            400,
+            "vllm_settings_invalid",
+            f"settings.{first}: {exc.errors[first]}",
+            details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
+        ) from None
 
 
 def clean_source_file(file: Any) -> str:

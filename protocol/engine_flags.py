@@ -2,12 +2,14 @@
 
 An admin key must not be a shell on the node. llama-server has flags that start
 processes (``--mcp-servers-json``), enable tools (``--tools all`` holds a shell),
-read or write files and directories, or open endpoints, and every release adds
-more, so a list of refused flags always lags behind. This module lists what is
-*allowed* instead, per engine and version range: each flag with all its
-spellings and the shape of its value (none, a whole number in a range, a
-decimal in a range, one of a few words). No shape accepts a path, a URL, JSON
-or free-form text.
+read or write files and directories, or open endpoints; vLLM's
+``--trust-remote-code`` runs Python from the model folder and many of its flags
+take paths, URLs or JSON. Every release adds more, so a list of refused flags
+always lags behind. This module lists what is *allowed* instead, per engine and
+version range: each flag with all its spellings and the shape of its value (none,
+a whole number in a range, a decimal in a range, one of a few words). No shape
+accepts a path, a URL, JSON or free-form text; the one file name is vLLM's chat
+template, ``{model}/NAME.jinja``, a file inside the model's own read-only folder.
 
 Both sides import it: the master checks an operator's ``extra_args`` and
 ``chat_template`` against it when a model is saved, and the agent checks the
@@ -21,9 +23,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 __all__ = [
+    "CONTAINER_ANY",
+    "DELIVERIES",
     "ENGINE_FLAG_TABLES",
     "LOOPBACK",
     "MODEL_PLACEHOLDER",
@@ -36,11 +40,28 @@ __all__ = [
     "check_engine_env",
     "check_extra_args",
     "engine_flags",
+    "listen_host",
 ]
 
 MODEL_PLACEHOLDER = "{model}"
 PORT_PLACEHOLDER = "{port}"
 LOOPBACK = "127.0.0.1"
+# Inside a container the engine listens on every address of the container's own
+# network namespace; the agent publishes its port on the host's 127.0.0.1 only (or
+# reaches it over the agent's container network), so nothing outside the node sees it.
+CONTAINER_ANY = "0.0.0.0"
+DELIVERIES = ("process", "container")
+
+
+def listen_host(delivery: str) -> str:
+    """The one ``--host`` value an engine of ``delivery`` may be given."""
+    if delivery == "container":
+        return CONTAINER_ANY
+    if delivery == "process":
+        return LOOPBACK
+    raise ValueError(f"unknown delivery {delivery!r} (one of {', '.join(DELIVERIES)})")
+
+
 GUIDE = "docs/operator-guide.md"
 
 # A served name as the master's API accepts it (the alias is the builder's own value).
@@ -164,12 +185,15 @@ class Flag:
     ``operator`` flags may appear in a model's ``extra_args``; the others only where
     the master's builder puts them (typed settings and the system's own flags).
     ``why`` replaces the generic refusal of a bad value where the rule is policy.
+    ``setting`` names the typed setting the builder makes the flag from, so a
+    refusal in extra args can point to it.
     """
 
     names: tuple[str, ...]
     shape: Shape
     operator: bool = False
     why: str = ""
+    setting: str = ""
 
     @property
     def name(self) -> str:
@@ -177,9 +201,23 @@ class Flag:
         return max(self.names, key=len)
 
 
+# What every launch argv must hold: (the flag's long name, the form to write, why).
+Required = tuple[tuple[str, str, str], ...]
+
+_LLAMACPP_REQUIRED: Required = (
+    ("--port", f"--port {PORT_PLACEHOLDER}", "the agent picks the port"),
+    ("--model", f"-m {MODEL_PLACEHOLDER}", "the agent resolves the model file"),
+    ("--alias", "--alias NAME", "the Ready check looks for it in /v1/models"),
+)
+
+
 @dataclass(frozen=True)
 class EngineFlags:
-    """The allow-list of one engine for a range of its versions (major.minor, inclusive)."""
+    """The allow-list of one engine for a range of its versions (major.minor, inclusive).
+
+    The keyword-only fields describe how the engine reads its argv; their defaults
+    are llama-server's, the first engine, so a table of it needs none of them.
+    """
 
     engine: str
     label: str
@@ -190,6 +228,17 @@ class EngineFlags:
     # Environment variables a launch may set for the engine, each with its value
     # shape; the agent sets PATH, HOME, LANG, the key and the GPU list itself.
     env: tuple[tuple[str, Shape], ...] = ()
+    _: KW_ONLY
+    # The program as messages name it.
+    program: str = "llama-server"
+    # The flag whose value is the served name (check_engine_argv returns it).
+    alias: str = "--alias"
+    required: Required = _LLAMACPP_REQUIRED
+    # The model is the first, positional argument ('{model}') instead of a flag's value.
+    positional_model: bool = False
+    # Whether the engine itself reads --flag=VALUE (the check never does).
+    reads_equals: bool = False
+    deliveries: tuple[str, ...] = DELIVERIES
 
     def lookup(self, token: str) -> Flag | None:
         """The flag ``token`` spells exactly, or None."""
@@ -253,7 +302,9 @@ _LLAMACPP_06_SYSTEM = (
          Pattern(re.compile(r"[0-9]{1,9}(?:,[0-9]{1,9}){0,15}"), "whole numbers joined by ','")),
     Flag(("-rea", "--reasoning"), Words(("on", "off", "auto"))),
     Flag(("-t", "--threads"), IntRange(1, 1024)),
-    Flag(("--host",), Words((LOOPBACK,)), why=f"engines listen on {LOOPBACK} only"),
+    # Which of the two depends on the delivery: check_engine_argv checks the pair.
+    Flag(("--host",), Words((LOOPBACK, CONTAINER_ANY)),
+         why=f"engines listen on {LOOPBACK} (a process) or {CONTAINER_ANY} (in a container)"),
     Flag(("--port",), Words((PORT_PLACEHOLDER,)),
          why=f"the only allowed form is '--port {PORT_PLACEHOLDER}' (the agent picks the port)"),
     Flag(("--metrics",), SWITCH),
@@ -336,6 +387,123 @@ _LLAMACPP_06_OPERATOR = (
     _op(("--threads-http",), IntRange(-1, 1024)),
 )  # fmt: skip
 
+# -- vLLM 0.x ----------------------------------------------------------------------------
+#
+# vLLM runs only in a container, from the vllm/vllm-openai image whose entrypoint is
+# `vllm serve`: the argv is what follows it, the model first (a positional argument),
+# then flags. vLLM's parser also reads --flag=VALUE, "_" for "-" and any unambiguous
+# prefix of a long flag; the check reads none of these, so none gets past the list.
+
+_VLLM_SAFE_FILE = r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}"
+
+# The common --quantization methods for GPU checkpoints; experimental and other
+# platforms' methods stay out until someone reviews them.
+_VLLM_QUANTIZATION = (
+    "awq", "awq_marlin", "gptq", "gptq_marlin", "gptq_marlin_24", "fp8", "ptpc_fp8",
+    "fbgemm_fp8", "bitsandbytes", "compressed-tensors", "gguf", "marlin", "modelopt",
+    "modelopt_fp4", "experts_int8", "moe_wna16", "mxfp4",
+)  # fmt: skip
+
+# vLLM's built-in parsers (a name it does not know fails at start with its own
+# message); a plugin parser would be a Python file, so --tool-parser-plugin is not listed.
+_VLLM_TOOL_PARSERS = (
+    "deepseek_v3", "deepseek_v31", "ernie45", "glm45", "granite", "granite-20b-fc",
+    "hermes", "hunyuan_a13b", "internlm", "jamba", "kimi_k2", "llama3_json",
+    "llama4_json", "llama4_pythonic", "longcat", "minimax", "minimax_m2", "mistral",
+    "olmo3", "openai", "phi4_mini_json", "pythonic", "qwen3_coder", "qwen3_xml",
+    "seed_oss", "step3", "xlam",
+)  # fmt: skip
+
+_VLLM_REASONING_PARSERS = (
+    "deepseek_r1", "deepseek_v3", "ernie45", "glm45", "granite", "hunyuan_a13b",
+    "kimi_k2", "minimax_m2", "minimax_m2_append_think", "mistral", "olmo3",
+    "openai_gptoss", "qwen3", "seed_oss", "step3",
+)  # fmt: skip
+
+_VLLM_ATTENTION_BACKENDS = (
+    "FLASH_ATTN", "FLASHINFER", "XFORMERS", "TORCH_SDPA", "TRITON_ATTN",
+    "FLEX_ATTENTION", "FLASHMLA", "TRITON_MLA", "CUTLASS_MLA",
+)  # fmt: skip
+
+# A few tuning variables; nothing that names a file, a URL, a plugin or a cache
+# directory. VLLM_API_KEY is the agent's own (the engine's key), never a launch's.
+_VLLM_ENV: tuple[tuple[str, Shape], ...] = (
+    ("VLLM_ATTENTION_BACKEND", Words(_VLLM_ATTENTION_BACKENDS)),
+    ("VLLM_USE_V1", Words(("0", "1"))),
+    ("VLLM_LOGGING_LEVEL", Words(("DEBUG", "INFO", "WARNING", "ERROR"))),
+    ("NCCL_P2P_DISABLE", Words(("0", "1"))),
+    ("OMP_NUM_THREADS", IntRange(1, 1024)),
+)
+
+_VLLM_REQUIRED: Required = (
+    ("--port", f"--port {PORT_PLACEHOLDER}", "the agent picks the port"),
+    ("--served-model-name", "--served-model-name NAME",
+     "the Ready check looks for it in /v1/models"),
+)  # fmt: skip
+
+# Where the master's builder puts them (models_registry/vllm.py, from typed settings).
+# Admission reserves gpu_memory_utilization of each placed GPU, so the flags that
+# size vLLM's memory are typed settings only.
+_VLLM_SYSTEM = (
+    # vLLM takes several names here; a second one is a token without a flag, refused.
+    Flag(("--served-model-name",),
+         Pattern(_ALIAS_RE, "a served name (letters, digits, . _ : / @ + -)")),
+    Flag(("--host",), Words((CONTAINER_ANY,)),
+         why=f"vLLM runs in a container and listens on {CONTAINER_ANY} there (the agent "
+             "publishes the port on the node's loopback only)"),
+    Flag(("--port",), Words((PORT_PLACEHOLDER,)),
+         why=f"the only allowed form is '--port {PORT_PLACEHOLDER}' (the agent picks the port)"),
+    Flag(("--max-model-len",), IntRange(16, 16_777_216), setting="max_model_len"),
+    Flag(("--max-num-seqs",), IntRange(1, 4096), setting="max_num_seqs"),
+    Flag(("--gpu-memory-utilization",), FloatRange(0.05, 0.98),
+         setting="gpu_memory_utilization"),
+    Flag(("-tp", "--tensor-parallel-size"), IntRange(1, 16), setting="tensor_parallel_size"),
+    Flag(("--dtype",), Words(("auto", "half", "float16", "bfloat16", "float", "float32")),
+         setting="dtype"),
+    Flag(("-q", "--quantization"), Words(_VLLM_QUANTIZATION), setting="quantization"),
+    Flag(("--kv-cache-dtype",), Words(("auto", "fp8", "fp8_e4m3", "fp8_e5m2")),
+         setting="kv_cache_dtype"),
+    Flag(("--enable-prefix-caching",), SWITCH, setting="enable_prefix_caching"),
+    Flag(("--no-enable-prefix-caching",), SWITCH, setting="enable_prefix_caching"),
+    Flag(("--enable-auto-tool-choice",), SWITCH, setting="tool_call_parser"),
+    Flag(("--tool-call-parser",), Words(_VLLM_TOOL_PARSERS), setting="tool_call_parser"),
+    Flag(("--reasoning-parser",), Words(_VLLM_REASONING_PARSERS),
+         setting="reasoning_parser"),
+    # vLLM reads any other value as a path to open, or as the template text itself.
+    Flag(("--chat-template",),
+         Pattern(re.compile(re.escape(MODEL_PLACEHOLDER) + "/" + _VLLM_SAFE_FILE + r"\.jinja"),
+                 f"'{MODEL_PLACEHOLDER}/NAME.jinja', a file in the model folder"),
+         why=f"the only allowed form is '{MODEL_PLACEHOLDER}/NAME.jinja', a file in the "
+             "model's read-only folder (another path or a template text is refused)",
+         setting="chat_template"),
+)  # fmt: skip
+
+# What an operator may add in extra_args: serving and scheduling knobs that do not
+# change what admission reserves (vLLM keeps to gpu_memory_utilization whatever they
+# are). Nothing that takes a path, a URL, JSON or text, and not --trust-remote-code
+# (it runs Python from the model folder).
+_VLLM_OPERATOR = (
+    _op(("--seed",), IntRange(0, 4_294_967_295)),
+    _op(("--max-num-batched-tokens",), IntRange(1, 16_777_216)),
+    _op(("--enable-chunked-prefill",), SWITCH),
+    _op(("--no-enable-chunked-prefill",), SWITCH),
+    _op(("--max-logprobs",), IntRange(0, 100_000)),
+    _op(("--disable-sliding-window",), SWITCH),
+    _op(("--enforce-eager",), SWITCH),
+    _op(("--disable-custom-all-reduce",), SWITCH),
+    _op(("--max-seq-len-to-capture",), IntRange(1, 16_777_216)),
+    _op(("--block-size",), Words(("8", "16", "32", "64", "128"))),
+    _op(("--scheduling-policy",), Words(("fcfs", "priority"))),
+    _op(("--generation-config",), Words(("auto", "vllm"))),
+    _op(("--uvicorn-log-level",),
+        Words(("critical", "error", "warning", "info", "debug", "trace"))),
+    _op(("--disable-uvicorn-access-log",), SWITCH),
+    _op(("--disable-log-stats",), SWITCH),
+    _op(("--enable-log-requests",), SWITCH),
+    _op(("--no-enable-log-requests",), SWITCH),
+    _op(("--max-parallel-loading-workers",), IntRange(1, 64)),
+)  # fmt: skip
+
 ENGINE_FLAG_TABLES: tuple[EngineFlags, ...] = (
     EngineFlags(
         engine="llamacpp",
@@ -345,6 +513,21 @@ ENGINE_FLAG_TABLES: tuple[EngineFlags, ...] = (
         flags=_LLAMACPP_06_SYSTEM + _LLAMACPP_06_OPERATOR,
         chat_templates=_LLAMACPP_06_TEMPLATES,
         env=_LLAMACPP_06_ENV,
+    ),
+    EngineFlags(
+        engine="vllm",
+        label="vLLM 0.x",
+        first=(0, 0),
+        last=(0, 99),
+        flags=_VLLM_SYSTEM + _VLLM_OPERATOR,
+        chat_templates=(),
+        env=_VLLM_ENV,
+        program="vLLM",
+        alias="--served-model-name",
+        required=_VLLM_REQUIRED,
+        positional_model=True,
+        reads_equals=True,
+        deliveries=("container",),
     ),
 )
 
@@ -357,7 +540,7 @@ def engine_flags(engine: str, version: str | None = None) -> EngineFlags:
     A version no table covers, or none (the node's default, not known to the master),
     gets the newest table: an allow-list only lets through flags it names, so a
     release that adds flags adds nothing here, and one that drops a flag fails to
-    start with llama-server's own message. Raises ValueError for an unknown engine.
+    start with the engine's own message. Raises ValueError for an unknown engine.
     """
     tables = [t for t in ENGINE_FLAG_TABLES if t.engine == engine]
     if not tables:
@@ -384,18 +567,23 @@ def _scan(
         if flag is None:
             raise FlagRefused(at, token, _unknown(token, table))
         if extra and not flag.operator:
+            what = (
+                f"the typed setting {flag.setting!r}"
+                if flag.setting
+                else "a typed setting or set by the system"
+            )
             raise FlagRefused(
                 at,
                 token,
-                f"{token!r} may not be passed as an extra arg: it is a typed setting or set "
-                "by the system; use the setting instead",
+                f"{token!r} may not be passed as an extra arg: it is {what}; "
+                "use the setting instead",
             )
         if flag.name in seen:
             raise FlagRefused(
                 at,
                 token,
                 f"{token!r} is given twice (also as argument {seen[flag.name][0]}); "
-                "llama-server would take the last value, so give it once",
+                f"{table.program} would take the last value, so give it once",
             )
         value = ""
         if flag.shape.takes_value:
@@ -416,37 +604,76 @@ def _unknown(token: str, table: EngineFlags) -> str:
     """Why ``token`` is refused, with the hint that fits it."""
     name, eq, _ = token.partition("=")
     if eq and table.lookup(name) is not None:
-        return (
-            f"{token!r}: write '{name} VALUE' as two arguments "
-            f"(llama-server does not read {name}=VALUE)"
+        # vLLM reads the joined form too; the check reads a value only as its own
+        # argument, so one form is checked, not two.
+        reason = (
+            "this check reads a value only as its own argument"
+            if table.reads_equals
+            else f"{table.program} does not read {name}=VALUE"
         )
-    if token in (MODEL_PLACEHOLDER, PORT_PLACEHOLDER):
-        return f"{token} may only follow {'-m' if token == MODEL_PLACEHOLDER else '--port'}"
+        return f"{token!r}: write '{name} VALUE' as two arguments ({reason})"
+    if token == MODEL_PLACEHOLDER:
+        where = "be the first argument" if table.positional_model else "follow -m"
+        return f"{token} may only {where}"
+    if token == PORT_PLACEHOLDER:
+        return f"{token} may only follow --port"
     if token.startswith("-"):
         return f"{token!r} is not an allowed {table.label} flag ({GUIDE} lists the allowed flags)"
     return f"{token!r} is neither an allowed flag nor the value of the flag before it"
 
 
 def check_engine_argv(
-    argv: Sequence[str], *, engine: str = "llamacpp", version: str | None = None
+    argv: Sequence[str],
+    *,
+    engine: str = "llamacpp",
+    version: str | None = None,
+    delivery: str = "process",
 ) -> str:
-    """Check a whole launch argv (the agent's check); returns the ``--alias`` value.
+    """Check a whole launch argv (the agent's check); returns the served name.
 
     Every token must be an allowed flag or the value of the flag before it in that
-    flag's shape; ``{model}`` only after ``-m`` and ``{port}`` only after ``--port``;
-    ``-m {model}``, ``--port {port}`` and ``--alias`` must be there. Raises
-    :class:`FlagRefused` naming the first token at fault.
+    flag's shape; ``{port}`` only after ``--port``. For llama.cpp ``{model}`` only
+    after ``-m``, and ``-m {model}``, ``--port {port}`` and ``--alias NAME`` must be
+    there (NAME is returned). For vLLM the first argument is ``{model}`` (its
+    positional model) and ``--served-model-name NAME`` and ``--port {port}`` must be
+    there; vLLM runs only in a container. ``--host``, when given, must be
+    :func:`listen_host` of ``delivery``. Raises :class:`FlagRefused` naming the first
+    token at fault (``flag`` is the engine's name for a delivery it does not run in).
     """
     table = engine_flags(engine, version)
-    seen = _scan(argv, table, extra=False)
-    for needed, form, why in (
-        ("--port", f"--port {PORT_PLACEHOLDER}", "the agent picks the port"),
-        ("--model", f"-m {MODEL_PLACEHOLDER}", "the agent resolves the model file"),
-        ("--alias", "--alias NAME", "the Ready check looks for it in /v1/models"),
-    ):
+    if delivery not in table.deliveries:
+        listen_host(delivery)  # an unknown delivery stays a ValueError
+        raise FlagRefused(
+            0,
+            engine,
+            f"{table.label} runs only as a {' or a '.join(table.deliveries)}, not as a {delivery}",
+        )
+    offset = 0
+    if table.positional_model:
+        if not argv or argv[0] != MODEL_PLACEHOLDER:
+            first = argv[0] if argv else MODEL_PLACEHOLDER
+            raise FlagRefused(
+                0,
+                first,
+                f"the first argument must be '{MODEL_PLACEHOLDER}' ({table.program}'s model, "
+                f"which the agent resolves), not {first!r}"
+                if argv
+                else f"args must start with '{MODEL_PLACEHOLDER}': the agent resolves the model",
+            )
+        offset = 1
+    seen = _scan(argv[offset:], table, extra=False, offset=offset)
+    wanted_host = listen_host(delivery)
+    if "--host" in seen and seen["--host"][1] != wanted_host:
+        at, value = seen["--host"]
+        raise FlagRefused(
+            at,
+            "--host",
+            f"'--host' value {value!r} is refused for a {delivery}: it must be {wanted_host}",
+        )
+    for needed, form, why in table.required:
         if needed not in seen:
             raise FlagRefused(len(argv), needed, f"args must contain '{form}': {why}")
-    return seen["--alias"][1]
+    return seen[table.alias][1]
 
 
 # The value of a variable the node's operator allows (EngineEnvAllow): any text of

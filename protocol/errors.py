@@ -62,6 +62,7 @@ class AgentCode(StrEnum):
     MODEL_NOT_RUNNING = "model_not_running"
     SERVER_BUSY = "server_busy"
     STATE_UNAVAILABLE = "state_unavailable"
+    DOCKER_UNAVAILABLE = "docker_unavailable"
     GGUF_INVALID = "gguf_invalid"
     INVALID_STATE = "invalid_state"
     ALREADY_COMMITTED = "already_committed"

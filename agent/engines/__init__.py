@@ -1,19 +1,22 @@
 """Engines: launch specs and their checks, engine builds, and the runtimes that run them.
 
-``process/`` is the native-process runtime (llama-server); a container runtime goes
-beside it as ``container/``. What every runtime shares is here: ``_spec`` (launch specs,
+``process/`` is the native-process runtime (llama-server); ``container/`` the container
+runtime beside it (vLLM, or llama-server in an image); ``_runtimes`` sends each launch to
+the runtime of its delivery. What every runtime shares is here: ``_spec`` (launch specs,
 the flag allow-list check, model path confinement), ``_executables`` (the engine
 builds a node offers), ``_install`` (building llama-server), ``_measure`` (memory).
 """
 
 from agent.engines._executables import Catalogue
 from agent.engines._install import install_llama_server
+from agent.engines._runtimes import Runtimes
 from agent.engines._spec import (
     check_folder_name,
     check_relative_name,
     confined_path,
     resolve_model_path,
 )
+from agent.engines.container import ContainerRuntime
 from agent.engines.process import (
     ProcessRuntime,
     cap_log,
@@ -23,7 +26,9 @@ from agent.engines.process import (
 
 __all__ = [
     "Catalogue",
+    "ContainerRuntime",
     "ProcessRuntime",
+    "Runtimes",
     "cap_log",
     "check_folder_name",
     "check_relative_name",

@@ -26,10 +26,13 @@ from protocol.engine_flags import (
     check_engine_argv,
     check_engine_env,
 )
+from protocol.images import ImageRefused, parse_image
 
 __all__ = [
     "GPU_UUID_RE",
     "INSTANCE_ID_RE",
+    "ContainerMount",
+    "ContainerSpec",
     "LaunchSpec",
     "check_args",
     "check_env",
@@ -48,6 +51,47 @@ FOLDER_RE = names.FOLDER_RE
 # the UUIDs are joined with commas into CUDA_VISIBLE_DEVICES.
 GPU_UUID_RE = re.compile(r"^(?:GPU-[0-9a-fA-F-]{8,64}|MIG-[0-9A-Za-z-]{8,64})$")
 MAX_GPUS = 16
+# A mount point inside the container: an absolute path of plain parts.
+_MOUNT_TARGET_RE = re.compile(r"/[A-Za-z0-9._-]{1,100}(?:/[A-Za-z0-9._-]{1,100}){0,15}")
+MOUNT_SOURCES = ("models", "cache")
+MAX_SHM_BYTES = 1 << 40
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerMount:
+    """One mount a container launch asks for: a volume the node names, never a host path.
+
+    ``source`` is ``models`` (the model's folder, always read-only) or ``cache`` (the
+    node's CacheHostPath); the agent maps each to the host path it was configured with.
+    """
+
+    source: str
+    target: str
+    read_only: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"source": self.source, "target": self.target, "readOnly": self.read_only}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContainerSpec:
+    """The container part of a launch (delivery ``container``; docs/agent-api.md)."""
+
+    image: str
+    mounts: tuple[ContainerMount, ...]
+    shm_size_bytes: int | None = None
+
+    @property
+    def models_target(self) -> str:
+        """Where the model folder appears inside the container."""
+        return next(m.target for m in self.mounts if m.source == "models")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "image": self.image,
+            "mounts": [m.to_json() for m in self.mounts],
+            "shmSizeBytes": self.shm_size_bytes,
+        }
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +112,8 @@ class LaunchSpec:
     # In the master's placement order: CUDA renumbers the visible devices in this order,
     # and the builder's --device CUDA0[,CUDA1] refers to that numbering.
     gpu_uuids: tuple[str, ...] = ()
+    # Delivery "container" only; "" as model_file there means the folder is the model.
+    container: ContainerSpec | None = None
 
     @property
     def env_dict(self) -> dict[str, str]:
@@ -83,10 +129,11 @@ class LaunchSpec:
             "runtime": self.runtime,
             "delivery": self.delivery,
             "executable": {"name": self.executable_name, "version": self.executable_version},
-            "model": {"folder": self.model_folder, "file": self.model_file},
+            "model": {"folder": self.model_folder, "file": self.model_file or None},
             "args": list(self.args),
             "env": dict(self.env),
             "gpuUuids": list(self.gpu_uuids),
+            **({"container": self.container.to_json()} if self.container else {}),
         }
 
 
@@ -148,7 +195,11 @@ def parse_launch_spec(body: Any) -> LaunchSpec:
         raise InvalidRequest("field 'executable.version' must be a non-empty string or null")
     model = _require_object(body, "model")
     folder = _require_str(model, "folder", "model.")
-    file = _require_str(model, "file", "model.")
+    container = _parse_container(body) if delivery == "container" else None
+    # A container engine may take the whole folder (vLLM reads a Hugging Face folder).
+    file = "" if container is not None and model.get("file") is None else None
+    if file is None:
+        file = _require_str(model, "file", "model.")
     args = body.get("args")
     if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
         raise InvalidRequest("field 'args' must be a list of strings")
@@ -173,22 +224,105 @@ def parse_launch_spec(body: Any) -> LaunchSpec:
         args=tuple(args),
         env=tuple(sorted(env.items())),
         gpu_uuids=gpu_uuids,
+        container=container,
     )
 
 
-def check_runtime(spec: LaunchSpec) -> None:
-    """Refuse runtimes and deliveries this agent does not offer."""
-    if spec.runtime != "llamacpp":
-        raise SpecRejected(
-            f"runtime {spec.runtime!r} is not offered by this agent (only 'llamacpp')"
+def _parse_container(body: dict[str, Any]) -> ContainerSpec:
+    """The ``container`` object of a container launch; 400 naming the field at fault.
+
+    Shape only: whether the image may run and whether a mount is acceptable are the
+    policy's questions (422 spec_rejected, :func:`check_container`).
+    """
+    raw = _require_object(body, "container")
+    unknown = set(raw) - {"image", "mounts", "shmSizeBytes"}
+    if unknown:
+        raise InvalidRequest(f"field 'container.{sorted(unknown)[0]}' is not known")
+    image = _require_str(raw, "image", "container.")
+    mounts_raw = raw.get("mounts")
+    if not isinstance(mounts_raw, list) or not 1 <= len(mounts_raw) <= len(MOUNT_SOURCES):
+        raise InvalidRequest(
+            f"field 'container.mounts' must be a list of 1 to {len(MOUNT_SOURCES)} mounts"
         )
-    if spec.delivery != "process":
-        raise SpecRejected(
-            f"delivery {spec.delivery!r} is not offered by this agent (only 'process')"
-        )
+    mounts: list[ContainerMount] = []
+    for index, item in enumerate(mounts_raw):
+        where = f"container.mounts[{index}]"
+        if not isinstance(item, dict) or set(item) - {"source", "target", "readOnly"}:
+            raise InvalidRequest(f"field '{where}' must be {{source, target, readOnly}}")
+        source, target, read_only = item.get("source"), item.get("target"), item.get("readOnly")
+        if source not in MOUNT_SOURCES:
+            raise InvalidRequest(
+                f"field '{where}.source' must be one of {', '.join(MOUNT_SOURCES)} "
+                "(the node maps each to its own folder; a host path is never accepted)"
+            )
+        if not isinstance(target, str) or not _MOUNT_TARGET_RE.fullmatch(target):
+            raise InvalidRequest(
+                f"field '{where}.target' must be an absolute path of plain parts, such as /models"
+            )
+        if any(part in (".", "..") for part in target.split("/")):
+            raise InvalidRequest(f"field '{where}.target' may not contain '.' or '..'")
+        if not isinstance(read_only, bool):
+            raise InvalidRequest(f"field '{where}.readOnly' must be true or false")
+        mounts.append(ContainerMount(source=source, target=target, read_only=read_only))
+    shm = raw.get("shmSizeBytes")
+    if shm is not None and (
+        isinstance(shm, bool) or not isinstance(shm, int) or not 0 < shm <= MAX_SHM_BYTES
+    ):
+        raise InvalidRequest(f"field 'container.shmSizeBytes' must be 1..{MAX_SHM_BYTES} or null")
+    return ContainerSpec(image=image, mounts=tuple(mounts), shm_size_bytes=shm)
 
 
-def check_args(args: tuple[str, ...], version: str | None = None) -> str:
+def check_container(spec: ContainerSpec) -> None:
+    """The guardrails of a container launch that need no node setting (422 spec_rejected)."""
+    try:
+        parse_image(spec.image, "container.image")
+    except ImageRefused as exc:
+        raise SpecRejected(str(exc), details={"field": "container.image"}) from None
+    sources = [m.source for m in spec.mounts]
+    if sources.count("models") != 1:
+        raise SpecRejected(
+            "container.mounts must mount the models volume exactly once",
+            details={"field": "container.mounts"},
+        )
+    if len(set(sources)) != len(sources):
+        raise SpecRejected(
+            "container.mounts names a volume twice", details={"field": "container.mounts"}
+        )
+    targets = [m.target.rstrip("/") for m in spec.mounts]
+    for a in targets:
+        for b in targets:
+            if a is not b and (a == b or b.startswith(a + "/")):
+                raise SpecRejected(
+                    f"container.mounts: {b} lies inside another mount ({a})",
+                    details={"field": "container.mounts"},
+                )
+    for mount in spec.mounts:
+        if mount.source == "models" and not mount.read_only:
+            raise SpecRejected(
+                "container.mounts: a writable models mount is refused; the models volume is "
+                "always mounted read-only (set readOnly true)",
+                details={"field": "container.mounts"},
+            )
+
+
+def check_runtime(spec: LaunchSpec, offered: tuple[tuple[str, str], ...]) -> None:
+    """Refuse a (runtime, delivery) pair this runtime does not offer."""
+    if (spec.runtime, spec.delivery) in offered:
+        return
+    pairs = ", ".join(f"{runtime} as a {delivery}" for runtime, delivery in offered)
+    raise SpecRejected(
+        f"runtime {spec.runtime!r} with delivery {spec.delivery!r} is not offered by this "
+        f"agent (it offers: {pairs or 'nothing'})"
+    )
+
+
+def check_args(
+    args: tuple[str, ...],
+    version: str | None = None,
+    *,
+    engine: str = "llamacpp",
+    delivery: str = "process",
+) -> str:
     """Check the whole argv against the engine's allow-list; returns the ``--alias`` value.
 
     ``version`` is the executable's (None: the newest allow-list). Every token must be
@@ -197,7 +331,7 @@ def check_args(args: tuple[str, ...], version: str | None = None) -> str:
     cannot start a process, read a file or listen anywhere but loopback.
     """
     try:
-        return check_engine_argv(args, engine="llamacpp", version=version)
+        return check_engine_argv(args, engine=engine, version=version, delivery=delivery)
     except FlagRefused as exc:
         raise SpecRejected(
             f"argument {exc.index} is refused: {exc.message}", details={"flag": exc.flag}
@@ -208,6 +342,8 @@ def check_env(
     env: tuple[tuple[str, str], ...],
     version: str | None = None,
     node_allows: tuple[str, ...] = (),
+    *,
+    engine: str = "llamacpp",
 ) -> None:
     """Check the engine's extra environment against its allow-list (protocol.engine_flags).
 
@@ -217,14 +353,14 @@ def check_env(
     ``node_allows`` is the node's ``EngineEnvAllow`` (docs/agent.md).
     """
     for name, _value in env:
-        if name == "CUDA_VISIBLE_DEVICES":
+        if name in ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"):
             raise SpecRejected(
                 "env CUDA_VISIBLE_DEVICES is refused: the agent sets it itself from "
                 "gpuUuids (pin GPUs by UUID there)",
                 details={"flag": name},
             )
     try:
-        check_engine_env(env, engine="llamacpp", version=version, node_allows=node_allows)
+        check_engine_env(env, engine=engine, version=version, node_allows=node_allows)
     except FlagRefused as exc:
         raise SpecRejected(exc.message, details={"flag": exc.flag}) from None
 
@@ -320,14 +456,21 @@ def confined_path(root: Path, *parts: str | PurePosixPath) -> Path:
     return resolved
 
 
-def substitute(args: tuple[str, ...], *, model_path: Path, port: int) -> list[str]:
-    """Replace the whole-argument placeholders with the resolved path and the port."""
+def substitute(args: tuple[str, ...], *, model_path: Path | str, port: int) -> list[str]:
+    """Replace the placeholders with the resolved model path and the port.
+
+    ``{model}`` and ``{port}`` are whole arguments; ``{model}/NAME`` (a file of the
+    model's folder, such as vLLM's chat template) starts one. The allow-list admits that
+    form only where a file of the folder is meant (protocol.engine_flags).
+    """
     out: list[str] = []
     for arg in args:
         if arg == MODEL_PLACEHOLDER:
             out.append(str(model_path))
         elif arg == PORT_PLACEHOLDER:
             out.append(str(port))
+        elif arg.startswith(MODEL_PLACEHOLDER + "/"):
+            out.append(str(model_path) + arg[len(MODEL_PLACEHOLDER) :])
         else:
             out.append(arg)
     return out

@@ -88,6 +88,9 @@ class Upstream:
     port: int
     key: str
     served_name: str
+    # 127.0.0.1 for a process or a published container port; a container's name on the
+    # agent's Docker network otherwise.
+    host: str = "127.0.0.1"
     # The requests the engine serves at once (llama-server's -np); the proxy keeps no
     # more idle connections to it than that. None: the pool's own limit.
     slots: int | None = None
@@ -232,7 +235,7 @@ class Proxy:
         try:
             return await self._pool.request(
                 method,
-                "127.0.0.1",
+                upstream.host,
                 upstream.port,
                 target,
                 headers=headers,

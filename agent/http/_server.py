@@ -32,7 +32,9 @@ from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
 from agent.engines import (
     Catalogue,
+    ContainerRuntime,
     ProcessRuntime,
+    Runtimes,
     cap_log,
     engine_log_path,
 )
@@ -153,13 +155,27 @@ class AgentServer:
             interval=config.health_check_interval_seconds,
             extra_checks=[self.catalogue.health_reasons, self._expected_subsystems],
         )
-        self.runtime = ProcessRuntime(
+        process = ProcessRuntime(
             config=config,
             catalogue=self.catalogue,
             bus=self.bus,
             ready_poll_interval=ready_poll_interval,
             stop_grace_seconds=stop_grace_seconds,
         )
+        self.fencing = Fencing(state_dir=config.state_directory)
+        containers = (
+            ContainerRuntime(
+                config=config,
+                bus=self.bus,
+                check_gpus=process.check_gpus_present,
+                epoch=lambda: self.fencing.accepted.epoch if self.fencing.accepted else None,
+                ready_poll_interval=ready_poll_interval,
+                stop_grace_seconds=stop_grace_seconds,
+            )
+            if config.docker_enabled
+            else None
+        )
+        self.runtime = Runtimes(process=process, container=containers)
         self.telemetry = Telemetry(
             models_root=config.models_root_path,
             state_directory=config.state_directory,
@@ -184,7 +200,6 @@ class AgentServer:
         self._runner: web.AppRunner | None = None
         self._front: FrontListener | None = None
         self._facts = host_facts()
-        self.fencing = Fencing(state_dir=config.state_directory)
         self.oplog = OperationLog(state_dir=config.state_directory)
         self.rotations = RotationRoutes(
             store=RotationStore(state_dir=config.state_directory, node_id=config.node_id),
@@ -206,7 +221,7 @@ class AgentServer:
     def _expected_subsystems(self) -> list[dict[str, str]]:
         """docker_unreachable / gpu_probe_failing, only where the node is meant to have them."""
         reasons = []
-        if self.config.docker_expected:
+        if self.config.docker_expected or self.config.docker_enabled:
             problem = docker_reachable(self.config.docker_endpoint)
             if problem:
                 reasons.append({"code": "docker_unreachable", "message": problem})
@@ -312,10 +327,10 @@ class AgentServer:
         return self.identity
 
     def _upstream(self, instance_id: str) -> Upstream:
-        inst = self.runtime.upstream(instance_id)
-        assert inst.port is not None
+        host, port, inst = self.runtime.address(instance_id)
         return Upstream(
-            port=inst.port,
+            host=host,
+            port=port,
             key=inst.key,
             served_name=inst.spec.served_name,
             slots=engine_slots(inst.spec.args),
@@ -513,9 +528,14 @@ class AgentServer:
                 "rotation": self.rotations.summary(),
                 "fencing": self.fencing.to_json(),
                 "executables": [i.to_json() for i in self.catalogue.infos],
-                "features": FEATURES,
+                "features": self.features(),
             }
         )
+
+    def features(self) -> list[str]:
+        """FEATURES, and a ``runtime.<engine>.<delivery>`` entry for each runtime offered."""
+        offered = [f"runtime.{r}.{d}" for r, d in self.runtime.offers]
+        return offered + [f for f in FEATURES if not f.startswith("runtime.")]
 
     async def handle_status(self, request: web.Request) -> web.Response:
         return web.json_response(

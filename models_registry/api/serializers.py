@@ -31,10 +31,19 @@ class ModelWriteSerializer(ApiSerializer):
 
     servedName = JsonStr(source="served_name", help_text="The /v1 model name.")
     sourceFolder = JsonStr(source="source_folder", help_text="The model folder on the node.")
-    sourceFile = JsonStr(source="source_file", help_text="A .gguf file inside the folder.")
+    sourceFile = JsonStr(
+        source="source_file",
+        help_text="A .gguf file inside the folder (vLLM: empty or absent, the whole folder).",
+    )
     autoStart = JsonBool(source="auto_start", help_text="Start when the node's agent boots.")
-    runtime = JsonStr(help_text="'llamacpp', the only runtime of this version.")
-    settings = JsonObject(help_text="llama.cpp settings (docs/operator-guide.md).")
+    runtime = JsonStr(help_text="'llamacpp' (default) or 'vllm'.")
+    delivery = JsonStr(
+        help_text="'process' (llama.cpp's default) or 'container' (vLLM's only delivery)."
+    )
+    image = JsonStr(help_text="The engine image of a container model: name[:tag][@sha256:...].")
+    settings = JsonObject(
+        help_text="llama.cpp or vLLM settings, by runtime (docs/operator-guide.md)."
+    )
     node = JsonStr(help_text="Shorthand for one placement on this node; null for none.")
     placements = JsonObjectList(help_text="[{node, gpuUuids?, gpuBudgets?}], at most 64.")
     memoryBudgetBytes = JsonInt(
@@ -123,6 +132,7 @@ class ModelSerializer(serializers.Serializer):
     servedName = serializers.CharField(source="served_name")
     runtime = serializers.CharField()
     delivery = serializers.CharField()
+    image = serializers.CharField()
     sourceFolder = serializers.CharField(source="source_folder")
     sourceFile = serializers.CharField(source="source_file")
     settings = serializers.JSONField()

@@ -48,7 +48,9 @@ FACES: dict[str, set[str]] = {
     "agent.http": {"AgentServer"},
     "agent.engines": {
         "Catalogue",
+        "ContainerRuntime",
         "ProcessRuntime",
+        "Runtimes",
         "cap_log",
         "check_folder_name",
         "check_relative_name",
@@ -64,6 +66,7 @@ FACES: dict[str, set[str]] = {
         "engine_log_path",
         "stop_recorded_engines",
     },
+    "agent.engines.container": {"CONTAINER_OFFERS", "ContainerRuntime"},
     "agent.weights": {"DownloadManager", "Weights", "is_model_file", "read_summary"},
     "agent.identity": {
         "Identity",

@@ -70,7 +70,7 @@ def test_the_change_form_cannot_set_desired_state_or_bypass_the_checks(
         "settings": '{"extra_args": ["--rpc", "10.0.0.1:50052"]}',
         "served_name": "two words",
         "source_file": "../../etc/passwd",
-        "runtime": "vllm",
+        "runtime": "tgi",
         "memory_budget_bytes": "-5",
     }
     for field, value in refusals.items():

@@ -44,7 +44,7 @@ class GpuStarts:
     def _persist_quietly(self) -> None:
         raise NotImplementedError
 
-    async def _check_gpus_present(self, uuids: tuple[str, ...]) -> None:
+    async def check_gpus_present(self, uuids: tuple[str, ...]) -> None:
         """Refuse (422) a GPU UUID this node's probe does not list."""
         gpus, error = await self.gpus.current()
         known = [g["uuid"] for g in gpus if isinstance(g.get("uuid"), str)]

@@ -56,6 +56,7 @@ from agent._config import AgentConfig
 from agent._errors import Conflict, ModelNotRunning, NotFound, StateUnavailable
 from agent.engines._executables import Catalogue
 from agent.engines._measure import GpuLocks, Measured
+from agent.engines._ready import engine_ready
 from agent.engines._spec import (
     check_args,
     check_env,
@@ -95,6 +96,8 @@ __all__ = ["GONE_ERROR", "PENDING_STOPPED_ERROR", "Instance", "Measured", "Proce
 log = logging.getLogger("mirbad.agent.process")
 
 _BASE_ENV = ("PATH", "HOME", "LANG")
+# What this runtime runs: (runtime, delivery).
+PROCESS_OFFERS = (("llamacpp", "process"),)
 
 
 class ProcessRuntime(GpuStarts, Adoption):
@@ -205,14 +208,14 @@ class ProcessRuntime(GpuStarts, Adoption):
         ``startQueuedAt``); its supervisor starts the engine when the GPUs are free.
         """
         spec = parse_launch_spec(body)
-        check_runtime(spec)
+        check_runtime(spec, PROCESS_OFFERS)
         alias = check_args(spec.args, spec.executable_version)
         check_env(spec.env, spec.executable_version, self._config.engine_env_allow)
         model_path = resolve_model_path(
             self._config.models_root_path, spec.model_folder, spec.model_file
         )
         if spec.gpu_uuids:
-            await self._check_gpus_present(spec.gpu_uuids)
+            await self.check_gpus_present(spec.gpu_uuids)
         exe = self._catalogue.resolve(spec.executable_name, spec.executable_version)
         if exe.version != spec.executable_version:
             # The node's default was chosen: check against that version's allow-list too.
@@ -386,19 +389,9 @@ class ProcessRuntime(GpuStarts, Adoption):
 
     async def _probe(self, inst: Instance) -> bool:
         assert self._session is not None
-        base = f"http://127.0.0.1:{inst.port}"
-        try:
-            async with self._session.get(base + "/health") as resp:
-                if resp.status != 200:
-                    return False
-            headers = {"Authorization": f"Bearer {inst.key}"}
-            async with self._session.get(base + "/v1/models", headers=headers) as resp:
-                if resp.status != 200:
-                    return False
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return False
-        return inst.alias in _listed_names(body)
+        return await engine_ready(
+            self._session, f"http://127.0.0.1:{inst.port}", key=inst.key, alias=inst.alias
+        )
 
     async def _wait_ready(self, inst: Instance, proc: EngineProcess | AdoptedProcess) -> str:
         loop = asyncio.get_running_loop()
@@ -565,16 +558,3 @@ class ProcessRuntime(GpuStarts, Adoption):
                 f"model {inst.spec.served_name!r} (instance {instance_id}) is {inst.state}, not Ready"
             )
         return inst
-
-
-def _listed_names(body: Any) -> set[str]:
-    names: set[str] = set()
-    if not isinstance(body, dict):
-        return names
-    for item in body.get("data") or []:
-        if isinstance(item, dict) and isinstance(item.get("id"), str):
-            names.add(item["id"])
-    for item in body.get("models") or []:
-        if isinstance(item, dict):
-            names.update(v for v in (item.get("name"), item.get("model")) if isinstance(v, str))
-    return names

@@ -1,0 +1,11 @@
+"""The container runtime: engines as Docker containers (vLLM, or llama-server in an image).
+
+Split by concern: ``_runtime`` (ContainerRuntime: launch, supervise, restart, stop,
+adopt), ``_docker`` (the Docker API with a deadline on every call but pulls and
+followed logs), ``_policy`` (the image policy and the mounts), ``_instance`` (one
+instance's state and its record in ``containers.json``).
+"""
+
+from agent.engines.container._runtime import CONTAINER_OFFERS, ContainerRuntime
+
+__all__ = ["CONTAINER_OFFERS", "ContainerRuntime"]
