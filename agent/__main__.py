@@ -25,7 +25,7 @@ from agent._config import load_config, normalize_address
 from agent._errors import AgentError, ConfigError
 from agent._run import configure_logging, run_agent
 from agent._version import PROTOCOL_VERSIONS, __version__
-from agent.engines import install_llama_server, stop_recorded_engines
+from agent.engines import install_llama_server, stop_recorded_containers, stop_recorded_engines
 from agent.identity import join
 from protocol.names import node_id_problem
 
@@ -147,11 +147,13 @@ def _cmd_stop_engines(args: argparse.Namespace) -> int:
         print("agent: --config: no config file given; pass --config FILE", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        stopped = stop_recorded_engines(load_config(args.config))
+        config = load_config(args.config)
+        stopped = stop_recorded_engines(config)
+        containers = stop_recorded_containers(config)
     except (AgentError, OSError) as exc:
         print(f"agent: stop-engines: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps({"stopped": stopped}))
+    print(json.dumps({"stopped": stopped, "containers": containers}))
     return 0
 
 

@@ -452,7 +452,9 @@ class Launcher:
                 timeout=120,
                 check=False,
             )
-            stopped = json.loads(done.stdout)["stopped"] if done.returncode == 0 else None
+            answer = json.loads(done.stdout) if done.returncode == 0 else None
+            stopped = answer["stopped"] if answer is not None else None
+            containers = answer.get("containers") or [] if answer is not None else []
         except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError) as exc:
             note(f"could not check for engines the agent left running: {exc}")
             return
@@ -461,6 +463,9 @@ class Launcher:
             return
         if stopped:
             note(f"stopped {len(stopped)} engine(s) the agent left running: pids {stopped}")
+        if containers:
+            short = [c[:12] for c in containers]
+            note(f"stopped {len(containers)} container(s) the agent left running: {short}")
 
     def _reap(self, child: supervision.Child, timeout: float) -> None:
         if child.process is None:

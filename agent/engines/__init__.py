@@ -16,7 +16,7 @@ from agent.engines._spec import (
     confined_path,
     resolve_model_path,
 )
-from agent.engines.container import ContainerRuntime
+from agent.engines.container import ContainerRuntime, stop_recorded_containers
 from agent.engines.process import (
     ProcessRuntime,
     cap_log,
@@ -36,5 +36,6 @@ __all__ = [
     "engine_log_path",
     "install_llama_server",
     "resolve_model_path",
+    "stop_recorded_containers",
     "stop_recorded_engines",
 ]

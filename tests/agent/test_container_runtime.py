@@ -303,3 +303,27 @@ async def test_docker_gone_means_docker_unavailable_and_docker_unreachable(
         async with agent.session.get(agent.url("/agent/v1/info")) as info:
             features = (await info.json())["features"]
         assert "runtime.vllm.container" in features and "runtime.llamacpp.process" in features
+
+
+async def test_stop_engines_stops_the_containers_a_dead_agent_left_running(
+    podman: dict, container_config: Callable[..., AgentConfig], pki: Any, tmp_path: Path
+) -> None:
+    from agent.engines import stop_recorded_containers
+
+    client = podman["client"]
+    config = container_config(stop_instances_on_shutdown=False)
+    async with agent_on(config, pki, tmp_path) as agent:
+        await agent.post("/agent/v1/instances", container_body(podman["image"]))
+        ready = await agent.wait_state("c-1", "Ready", "Failed")
+        assert ready["state"] == "Ready", ready
+    # Labelled as this node's, but in no record: stop-engines leaves it to adoption.
+    stray = client.containers.create(
+        podman["image"], command=["--version"], labels={NODE_LABEL: "n1"}, name="stray2"
+    )
+    try:
+        stopped = await asyncio.to_thread(stop_recorded_containers, config, grace=2)
+        assert stopped == [ready["containerId"]]
+        ids = {c.id for c in client.containers.list(all=True)}
+        assert ready["containerId"] not in ids and stray.id in ids
+    finally:
+        stray.remove(force=True)

@@ -101,7 +101,7 @@ def test_the_stop_engines_command_the_launcher_runs(
     config = tmp_path / "agent.json"
     config.write_text(json.dumps({"NodeId": "n1", "StateDirectory": str(state)}))
     assert main(["stop-engines", "--config", str(config)]) == 0
-    assert json.loads(capsys.readouterr().out) == {"stopped": []}
+    assert json.loads(capsys.readouterr().out) == {"stopped": [], "containers": []}
 
     assert main(["stop-engines"]) == 2
     assert "--config" in capsys.readouterr().err

@@ -58,6 +58,7 @@ FACES: dict[str, set[str]] = {
         "engine_log_path",
         "install_llama_server",
         "resolve_model_path",
+        "stop_recorded_containers",
         "stop_recorded_engines",
     },
     "agent.engines.process": {
@@ -66,7 +67,7 @@ FACES: dict[str, set[str]] = {
         "engine_log_path",
         "stop_recorded_engines",
     },
-    "agent.engines.container": {"CONTAINER_OFFERS", "ContainerRuntime"},
+    "agent.engines.container": {"CONTAINER_OFFERS", "ContainerRuntime", "stop_recorded_containers"},
     "agent.weights": {"DownloadManager", "Weights", "is_model_file", "read_summary"},
     "agent.identity": {
         "Identity",
