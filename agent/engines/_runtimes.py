@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 from typing import Any
 
-from agent._errors import Conflict, SpecRejected
+from agent._errors import Conflict, NotFound, SpecRejected
 from agent.engines._spec import parse_launch_spec
 from agent.engines.container import CONTAINER_OFFERS, ContainerRuntime
 from agent.engines.container._instance import ContainerInstance
@@ -18,6 +18,7 @@ from agent.engines.process import ProcessRuntime
 from agent.engines.process._instance import Instance
 from agent.engines.process._runtime import PROCESS_OFFERS
 from agent.telemetry import GpuSampler
+from protocol.states import ACTIVE
 
 __all__ = ["Runtimes"]
 
@@ -71,9 +72,13 @@ class Runtimes:
         return "127.0.0.1", process.port, process
 
     async def launch(self, body: Any) -> dict[str, Any]:
+        """Launch on the runtime of the spec's delivery.
+
+        A model whose delivery changed keeps its instance id: the other runtime's
+        record of it is dropped when that instance no longer runs, and refused (409)
+        while it does.
+        """
         spec = parse_launch_spec(body)
-        in_process = spec.instance_id in {i["instanceId"] for i in self.process.list()}
-        in_container = self.container is not None and self.container.has(spec.instance_id)
         if spec.delivery == "container":
             if self.container is None:
                 raise SpecRejected(
@@ -81,14 +86,24 @@ class Runtimes:
                     'false (docs/agent.md, "Containers")',
                     details={"field": "delivery"},
                 )
-            if in_process:
-                raise Conflict(
-                    f"instance {spec.instance_id!r} exists as a process; delete it first"
-                )
+            await self._leave(self.process, spec.instance_id, "a process")
             return await self.container.launch(spec)
-        if in_container:
-            raise Conflict(f"instance {spec.instance_id!r} exists as a container; delete it first")
+        if self.container is not None:
+            await self._leave(self.container, spec.instance_id, "a container")
         return await self.process.launch(body)
+
+    @staticmethod
+    async def _leave(other: ProcessRuntime | ContainerRuntime, instance_id: str, kind: str) -> None:
+        """Forget ``instance_id`` in ``other`` if it has it and it does not run there."""
+        try:
+            current = other.get(instance_id)
+        except NotFound:
+            return
+        if current.state in ACTIVE:
+            raise Conflict(
+                f"instance {instance_id!r} runs as {kind} ({current.state}); stop it first"
+            )
+        await other.delete(instance_id)
 
     async def stop(self, instance_id: str) -> dict[str, Any]:
         if self.container is not None and self.container.has(instance_id):

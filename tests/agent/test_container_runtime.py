@@ -327,3 +327,36 @@ async def test_stop_engines_stops_the_containers_a_dead_agent_left_running(
         assert ready["containerId"] not in ids and stray.id in ids
     finally:
         stray.remove(force=True)
+
+
+async def test_a_model_moved_from_process_to_container_keeps_its_instance_id(
+    podman: dict,
+    container_config: Callable[..., AgentConfig],
+    pki: Any,
+    tmp_path: Path,
+    llama_server_exe: Path,
+) -> None:
+    from agent._config import ExecutableEntry
+
+    exe = ExecutableEntry(
+        name="llama.cpp", version="0.6.0-dev", path=llama_server_exe, default=True
+    )
+    process_body = container_body(podman["image"], delivery="process")
+    del process_body["container"]
+    process_body["args"] = [a if a != "0.0.0.0" else "127.0.0.1" for a in process_body["args"]]
+    async with agent_on(container_config(executables=(exe,)), pki, tmp_path) as agent:
+        status, _ = await agent.post("/agent/v1/instances", process_body)
+        assert status == 202
+        assert (await agent.wait_state("c-1", "Ready", "Failed"))["state"] == "Ready"
+        # While it runs as a process, a container launch of the same id is refused.
+        status, answer = await agent.post("/agent/v1/instances", container_body(podman["image"]))
+        assert status == 409 and "runs as a process" in answer["error"]["message"], answer
+        status, _ = await agent.post("/agent/v1/instances/c-1/stop")
+        assert status == 200
+        status, answer = await agent.post("/agent/v1/instances", container_body(podman["image"]))
+        assert status == 202, answer
+        ready = await agent.wait_state("c-1", "Ready", "Failed")
+        assert ready["state"] == "Ready" and ready["delivery"] == "container", ready
+        assert [i["instanceId"] for i in agent.server.runtime.list()] == ["c-1"]
+        status, _ = await agent.post("/agent/v1/instances/c-1/stop")
+        assert status == 200
