@@ -360,3 +360,28 @@ async def test_a_model_moved_from_process_to_container_keeps_its_instance_id(
         assert [i["instanceId"] for i in agent.server.runtime.list()] == ["c-1"]
         status, _ = await agent.post("/agent/v1/instances/c-1/stop")
         assert status == 200
+
+
+async def test_an_exit_after_ready_restarts_the_container_within_the_budget(
+    podman: dict, container_config: Callable[..., AgentConfig], pki: Any, tmp_path: Path
+) -> None:
+    client = podman["client"]
+    config = container_config(restart_budget=1)
+    async with agent_on(config, pki, tmp_path) as agent:
+        agent.server.runtime.container._watch = 0.2  # see the exits at once
+        await agent.post("/agent/v1/instances", container_body(podman["image"]))
+        first = await agent.wait_state("c-1", "Ready", "Failed")
+        assert first["state"] == "Ready", first
+        client.containers.get(first["containerId"]).kill()
+        for _ in range(100):
+            again = await agent.instance("c-1")
+            if again["restartCount"] == 1 and again["state"] == "Ready":
+                break
+            await asyncio.sleep(0.2)
+        assert again["state"] == "Ready" and again["restartCount"] == 1, again
+        assert again["containerId"] == first["containerId"]  # the same container, started again
+        # The budget (1 in the window) is spent: the next exit is Failed, with the code.
+        client.containers.get(first["containerId"]).kill()
+        failed = await agent.wait_state("c-1", "Failed", timeout=30)
+        assert "RestartBudget" in failed["error"] and failed["exitCode"] not in (None, 0), failed
+    assert ours(client) == []
