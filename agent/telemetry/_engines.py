@@ -12,6 +12,15 @@ every 5 s (docs/decisions.md D61):
   the contract's KPI names through one table (:data:`METRIC_NAMES`) that llama.cpp and
   vLLM share. A KPI the runtime does not report stays absent, never zero.
 
+Counters stay counters: the master turns them into rates between two samples, and it
+also owns the sampling interval. That is why time to first token travels as the
+histogram's ``_sum`` and ``_count`` (``timeToFirstTokenSecondsSum``,
+``timeToFirstTokenCount``) rather than as a mean or a quantile computed here: the
+increase of the one over the increase of the other is the mean of the requests that
+got their first token in that interval, exact whatever the buckets, and two numbers
+per engine fit the history where a bucket vector would not (docs/operator-guide.md
+"Logs and engine telemetry").
+
 The Prometheus text is read by a small strict parser (the agent does not depend on
 prometheus_client): a line it cannot read fails the whole scrape, so a garbage body
 is a ``metricsError`` rather than half-read numbers.
@@ -24,6 +33,7 @@ import contextlib
 import math
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +56,12 @@ SCRAPE_TIMEOUT_SECONDS = 2.0
 MAX_METRICS_BYTES = 1024 * 1024
 
 # Runtime metric name -> the contract's KPI. One table for every runtime: llama.cpp's
-# names today, vLLM's for the container runtime. Both of vLLM's names for the KV cache
-# usage are listed (it renamed gpu_cache_usage_perc to kv_cache_usage_perc); both are
-# a fraction 0..1 despite "perc".
+# names and vLLM's, those of its V0 engine and of V1 under its old and new names. Where
+# two names feed one KPI the first one reported wins: vLLM renamed
+# gpu_cache_usage_perc to kv_cache_usage_perc and printed both, with one value, for a
+# few releases before dropping the old one. Both are a fraction 0..1 despite "perc",
+# the unit of llama.cpp's ratio. Counters are named as printed (prometheus_client
+# appends _total and adds _created samples, which no KPI reads).
 METRIC_NAMES: dict[str, str] = {
     "llamacpp:requests_processing": "requestsRunning",
     "llamacpp:requests_deferred": "requestsWaiting",
@@ -60,18 +73,23 @@ METRIC_NAMES: dict[str, str] = {
     "vllm:num_requests_waiting": "requestsWaiting",
     "vllm:prompt_tokens_total": "promptTokensTotal",
     "vllm:generation_tokens_total": "generationTokensTotal",
-    "vllm:gpu_cache_usage_perc": "kvCacheUsageRatio",
     "vllm:kv_cache_usage_perc": "kvCacheUsageRatio",
+    "vllm:gpu_cache_usage_perc": "kvCacheUsageRatio",
     "vllm:gpu_prefix_cache_hit_rate": "prefixCacheHitRate",
+    "vllm:time_to_first_token_seconds_sum": "timeToFirstTokenSecondsSum",
+    "vllm:time_to_first_token_seconds_count": "timeToFirstTokenCount",
 }
-# KPIs that are ratios: several label sets (vLLM's engines) are averaged, not added.
+# KPIs that are ratios: several label sets (vLLM's engine cores) are averaged, not
+# added; every other KPI is a count or a counter, added over the label sets.
 _RATIOS = frozenset({"kvCacheUsageRatio", "prefixCacheHitRate"})
-# Where a runtime reports no hit rate, it is derived from two token counters:
-# (hits, all) for vLLM V1; llama.cpp counts the prompt tokens it reused from the cache
-# apart from the ones it processed (its prompt_tokens_total excludes the cached ones),
-# so there the whole is their sum.
+# Where a runtime reports no hit rate, it is derived from two token counters, the
+# first pair reported winning: (hits, all) for vLLM V1 under its current and its
+# earlier gpu_ names; llama.cpp counts the prompt tokens it reused from the cache apart
+# from the ones it processed (its prompt_tokens_total excludes the cached ones), so
+# there the whole is their sum.
 _PREFIX_COUNTERS = (
     ("vllm:prefix_cache_hits_total", ("vllm:prefix_cache_queries_total",)),
+    ("vllm:gpu_prefix_cache_hits_total", ("vllm:gpu_prefix_cache_queries_total",)),
     (
         "llamacpp:prompt_tokens_cached_total",
         ("llamacpp:prompt_tokens_cached_total", "llamacpp:prompt_tokens_total"),
@@ -137,31 +155,47 @@ def engine_metrics(samples: dict[str, list[float]]) -> dict[str, float]:
     """The contract's KPIs found in ``samples``; one a runtime does not report is absent.
 
     Several label sets of one metric are added (counts) or averaged (ratios); a NaN or
-    infinite value counts as not reported (JSON has no such numbers).
+    infinite value counts as not reported (JSON has no such numbers), and so does a sum
+    too large for a float.
     """
     out: dict[str, float] = {}
     for name, kpi in METRIC_NAMES.items():
-        values = [v for v in samples.get(name, ()) if math.isfinite(v)]
-        if not values or kpi in out:
+        if kpi in out:
             continue
-        total = math.fsum(values)
-        out[kpi] = total / len(values) if kpi in _RATIOS else total
+        found = _finite_sum(samples, name)
+        if found is None:
+            continue
+        total, count = found
+        out[kpi] = total / count if kpi in _RATIOS else total
     for hits_name, whole_names in _PREFIX_COUNTERS:
         if "prefixCacheHitRate" in out:
             break
         hits = _finite_sum(samples, hits_name)
         parts = [_finite_sum(samples, name) for name in whole_names]
-        if hits is None or None in parts:
+        if hits is None or any(part is None for part in parts):
             continue
-        whole = math.fsum(p for p in parts if p is not None)
-        if whole > 0:  # no prompt yet: no rate, rather than a made-up 0
-            out["prefixCacheHitRate"] = hits / whole
+        whole = _fsum(part[0] for part in parts if part is not None)
+        # No prompt yet: no rate, rather than a made-up 0.
+        if whole is not None and whole > 0 and math.isfinite(hits[0] / whole):
+            out["prefixCacheHitRate"] = hits[0] / whole
     return out
 
 
-def _finite_sum(samples: dict[str, list[float]], name: str) -> float | None:
+def _fsum(values: Iterable[float]) -> float | None:
+    """The exact sum, or None where it leaves the floats (an engine's garbage, never a
+    crash of the sampler)."""
+    try:
+        total = math.fsum(values)
+    except OverflowError:
+        return None
+    return total if math.isfinite(total) else None
+
+
+def _finite_sum(samples: dict[str, list[float]], name: str) -> tuple[float, int] | None:
+    """The sum of ``name``'s finite values over its label sets, and how many there were."""
     values = [v for v in samples.get(name, ()) if math.isfinite(v)]
-    return math.fsum(values) if values else None
+    total = _fsum(values) if values else None
+    return None if total is None else (total, len(values))
 
 
 async def scrape(
