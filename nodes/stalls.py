@@ -81,6 +81,9 @@ def empty_engine() -> EnginePoint:
         prefixHit=None,
         promptTotal=None,
         genTotal=None,
+        ttft=None,
+        ttftSum=None,
+        ttftCount=None,
     )
 
 

@@ -93,6 +93,11 @@ class EnginePoint(TypedDict):
     prefixHit: float | None  # 0..1
     promptTotal: float | None
     genTotal: float | None
+    # Mean time to first token over the interval (seconds), from the engine's histogram
+    # sum and count (vLLM); last in the tuple, so points stored before it decode as None.
+    ttft: float | None
+    ttftSum: float | None
+    ttftCount: float | None
 
 
 class Point(TypedDict):
@@ -107,7 +112,7 @@ class Point(TypedDict):
 
 _ENGINE_FIELDS: tuple[str, ...] = tuple(EnginePoint.__annotations__)
 _INT_ENGINE_FIELDS = frozenset({"rss"})
-_TOTALS = frozenset({"promptTotal", "genTotal"})
+_TOTALS = frozenset({"promptTotal", "genTotal", "ttftSum", "ttftCount"})
 # Decimals kept per stored field: what a chart or a rule can tell apart, no more.
 _ROUND = {
     "cpu": 1,
@@ -119,6 +124,7 @@ _ROUND = {
     "kv": 4,
     "kvTokens": 0,
     "prefixHit": 3,
+    "ttft": 4,
 }
 # Rates keep three significant digits: a token in 30 s is 0.0333/s, never rounded to 0.
 _SIGNIFICANT = frozenset({"promptTps", "genTps"})
@@ -155,6 +161,8 @@ def _engine(
     metrics = metrics if isinstance(metrics, dict) else {}  # absent: the scrape failed
     prompt_total = _float(metrics.get("promptTokensTotal"))
     gen_total = _float(metrics.get("generationTokensTotal"))
+    ttft_sum = _float(metrics.get("timeToFirstTokenSecondsSum"))
+    ttft_count = _float(metrics.get("timeToFirstTokenCount"))
     return EnginePoint(
         cpu=_float(raw.get("cpuPercent")),
         rss=_bytes(raw.get("rssBytes")),
@@ -167,7 +175,35 @@ def _engine(
         prefixHit=_float(metrics.get("prefixCacheHitRate")),
         promptTotal=prompt_total,
         genTotal=gen_total,
+        ttft=_interval_mean(
+            ttft_sum,
+            ttft_count,
+            (previous.get("ttftSum"), previous.get("ttftCount")) if previous else None,
+            seconds,
+        ),
+        ttftSum=ttft_sum,
+        ttftCount=ttft_count,
     )
+
+
+def _interval_mean(
+    total: float | None,
+    count: float | None,
+    before: tuple[float | None, float | None] | None,
+    seconds: float | None,
+) -> float | None:
+    """The mean of what a histogram observed since the last point: the increase of its
+    sum over the increase of its count; None when nothing was observed, after a reset
+    (either went backwards) or across a gap."""
+    if total is None or count is None or before is None or seconds is None:
+        return None
+    total_before, count_before = before
+    if total_before is None or count_before is None:
+        return None
+    observed = count - count_before
+    if observed <= 0 or total < total_before:
+        return None
+    return (total - total_before) / observed
 
 
 def _gpus(raw: object) -> list[GpuPoint]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from nodes import stalls, telemetry
 from nodes.telemetry import Point
 from tests.telemetry_support import sample
@@ -93,3 +95,22 @@ def test_a_long_vllm_prefill_is_progress_and_a_frozen_one_is_stalled() -> None:
     found = stalls.flags(stalls.instance_points(frozen, "q-1"), now)
     assert found["stalled"] and not found["slow"]
     assert stalls.node_flags(frozen, now) == {"q-1": found}
+
+
+def test_time_to_first_token_is_the_mean_of_what_the_interval_observed() -> None:
+    from nodes.telemetry import decode, encode, point_from_sample
+
+    def sample(total: float, count: float) -> dict:
+        metrics = {"timeToFirstTokenSecondsSum": total, "timeToFirstTokenCount": count}
+        return {"engines": [{"instanceId": "m1-p1", "metrics": metrics}]}
+
+    first = point_from_sample(sample(10.0, 40), None, 1000.0)
+    assert first["engines"]["m1-p1"]["ttft"] is None  # nothing to compare with yet
+    second = point_from_sample(sample(13.0, 46), first, 1005.0)
+    assert second["engines"]["m1-p1"]["ttft"] == pytest.approx(0.5)  # 3 s over 6 firsts
+    idle = point_from_sample(sample(13.0, 46), second, 1010.0)
+    assert idle["engines"]["m1-p1"]["ttft"] is None  # no first token: no figure, not 0
+    restarted = point_from_sample(sample(0.2, 1), idle, 1015.0)
+    assert restarted["engines"]["m1-p1"]["ttft"] is None  # the counters went backwards
+    stored = decode(encode(second))
+    assert stored is not None and stored["engines"]["m1-p1"]["ttft"] == pytest.approx(0.5)
