@@ -91,6 +91,7 @@ urlpatterns = [
     path("api/nodes/<str:node_id>/rekey", nodes_api.as_view({"post": "rekey"})),
     path("api/nodes/<str:node_id>/rotate", nodes_api.as_view({"post": "rotate"})),
     path("api/nodes/<str:node_id>/operations", nodes_api.as_view({"get": "operations"})),
+    path("api/nodes/<str:node_id>/images", nodes_api.as_view({"get": "images"})),
     path(
         "api/nodes/<str:node_id>/maintenance",
         nodes_api.as_view({"post": "maintenance", "delete": "end_maintenance"}),

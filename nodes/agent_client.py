@@ -241,6 +241,11 @@ class AgentClient:
     def instances(self) -> list[dict[str, Any]]:
         return self._request("GET", "/instances")["instances"]
 
+    def images(self) -> dict[str, Any]:
+        """``{"images": [...], "truncated": bool}``: the container images the node's
+        Docker engine holds (501 not_supported without DockerEnabled)."""
+        return self._request("GET", "/images")
+
     # Downloads and weights. The token rides in the body of the POST only (the operation
     # log keeps a redacted summary of the answer, never the body sent).
 

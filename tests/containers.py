@@ -19,7 +19,7 @@ import shutil
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 CONTAINERS_CONF = """\
@@ -32,10 +32,27 @@ runtime = "runc"
 ENGINE_DIR = "/opt/llama"
 
 
-def podman_env(folder: Path) -> dict[str, str]:
+def podman_env(folder: Path, registries: Sequence[str] = ()) -> dict[str, str]:
+    """The environment of a Podman of ours; with ``registries`` (``host:port`` each), one
+    that pulls from those registries over plain HTTP into a store of its own in
+    ``folder``: the shared store already holds the engine image's layers, and a pull
+    that finds them there fetches nothing."""
     conf = folder / "containers.conf"
     conf.write_text(CONTAINERS_CONF)
-    return {**os.environ, "CONTAINERS_CONF": str(conf)}
+    env = {**os.environ, "CONTAINERS_CONF": str(conf)}
+    if registries:
+        listed = folder / "registries.conf"
+        listed.write_text(
+            "".join(f'[[registry]]\nlocation = "{r}"\ninsecure = true\n\n' for r in registries)
+        )
+        storage = folder / "storage.conf"
+        storage.write_text(
+            f'[storage]\ndriver = "vfs"\n'
+            f'graphroot = "{folder / "store"}"\nrunroot = "{folder / "run"}"\n'
+        )
+        env["CONTAINERS_REGISTRIES_CONF"] = str(listed)
+        env["CONTAINERS_STORAGE_CONF"] = str(storage)
+    return env
 
 
 def _podman() -> str:
@@ -46,10 +63,13 @@ def _podman() -> str:
 
 
 @contextlib.contextmanager
-def podman_socket(folder: Path) -> Iterator[tuple[Path, dict[str, str]]]:
-    """A Podman Docker-API service on ``folder/podman.sock``, stopped afterwards."""
+def podman_socket(
+    folder: Path, registries: Sequence[str] = ()
+) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A Podman Docker-API service on ``folder/podman.sock``, stopped afterwards
+    (``registries``: see :func:`podman_env`; read once, when the service starts)."""
     folder.mkdir(parents=True, exist_ok=True)
-    env = podman_env(folder)
+    env = podman_env(folder, registries)
     socket = folder / "podman.sock"
     service = subprocess.Popen(
         [_podman(), "system", "service", "--time=0", f"unix://{socket}"],

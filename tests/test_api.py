@@ -22,6 +22,7 @@ ENDPOINTS = [
     ("post", "/api/nodes/n1/rekey"),
     ("post", "/api/nodes/n1/rotate"),
     ("get", "/api/nodes/n1/operations"),
+    ("get", "/api/nodes/n1/images"),
     ("post", "/api/nodes/n1/maintenance"),
     ("delete", "/api/nodes/n1/maintenance"),
     ("post", "/api/join-tokens"),

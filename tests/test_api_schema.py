@@ -49,8 +49,8 @@ def test_schema_names_the_wire_fields(operator_client: APIClient) -> None:
         components["Node"]["properties"]
     )
     assert set(components["PatchedModelWriteRequest"]["properties"]) == {
-        "servedName", "sourceFolder", "sourceFile", "autoStart", "runtime", "settings",
-        "node", "placements", "memoryBudgetBytes",
+        "servedName", "sourceFolder", "sourceFile", "autoStart", "runtime", "delivery",
+        "image", "settings", "node", "placements", "memoryBudgetBytes",
     }  # fmt: skip
     assert "key" in components["NewKey"]["properties"]
     assert set(components["Error"]["properties"]) == {"error"}

@@ -16,7 +16,7 @@ from agent.engines._spec import (
     confined_path,
     resolve_model_path,
 )
-from agent.engines.container import ContainerRuntime, stop_recorded_containers
+from agent.engines.container import ContainerRuntime, list_images, stop_recorded_containers
 from agent.engines.process import (
     ProcessRuntime,
     cap_log,
@@ -35,6 +35,7 @@ __all__ = [
     "confined_path",
     "engine_log_path",
     "install_llama_server",
+    "list_images",
     "resolve_model_path",
     "stop_recorded_containers",
     "stop_recorded_engines",

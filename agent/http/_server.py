@@ -27,6 +27,7 @@ from agent._errors import (
     ClientNotMaster,
     MethodNotAllowed,
     NotFound,
+    NotSupported,
 )
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
@@ -37,6 +38,7 @@ from agent.engines import (
     Runtimes,
     cap_log,
     engine_log_path,
+    list_images,
 )
 from agent.http._complete import complete
 from agent.http._front import FrontListener
@@ -359,6 +361,7 @@ class AgentServer:
         r.add_post("/agent/v1/instances", self.handle_launch)
         r.add_post("/agent/v1/instances/{instanceId}/stop", self.handle_stop)
         r.add_delete("/agent/v1/instances/{instanceId}", self.handle_delete)
+        r.add_get("/agent/v1/images", self.handle_images)
         self.weight_routes.register(r)
         self.rotations.register(r)
         r.add_route("*", "/agent/v1/proxy/{instanceId}/{path:.*}", self.proxy.handle)
@@ -579,6 +582,16 @@ class AgentServer:
     async def handle_delete(self, request: web.Request) -> web.Response:
         await complete(self.runtime.delete(request.match_info["instanceId"]))
         return web.Response(status=204)
+
+    async def handle_images(self, request: web.Request) -> web.Response:
+        """The container images the Docker engine holds (docs/agent-api.md,
+        "GET /agent/v1/images")."""
+        if self.runtime.container is None:
+            raise NotSupported(
+                "this node does not run containers: its DockerEnabled is false "
+                '(docs/agent.md, "Containers")'
+            )
+        return web.json_response(await list_images(self.runtime.container.docker))
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
         """Server-sent events: hello, then instance/health events and heartbeats."""

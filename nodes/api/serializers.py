@@ -249,3 +249,24 @@ class MasterOperationSerializer(serializers.Serializer):
 class MasterOperationListSerializer(serializers.Serializer):
     operations = MasterOperationSerializer(many=True)
     more = serializers.BooleanField(help_text="More operations than the page holds.")
+
+
+class NodeImageSerializer(serializers.Serializer):
+    """One container image the node's Docker engine holds (docs/agent-api.md,
+    "GET /agent/v1/images")."""
+
+    id = serializers.CharField(help_text="The image id, sha256:<64 hex>.")
+    tags = serializers.ListField(child=serializers.CharField(), help_text="repo:tag, sorted.")
+    digests = serializers.ListField(
+        child=serializers.CharField(), help_text="repo@sha256:..., sorted."
+    )
+    sizeBytes = serializers.IntegerField()
+    createdAt = serializers.CharField(allow_null=True, help_text="ISO 8601, UTC.")
+
+
+class NodeImageListSerializer(serializers.Serializer):
+    node = serializers.CharField(help_text="The node's id.")
+    images = NodeImageSerializer(
+        many=True, help_text="Sorted by first tag (untagged last), then id."
+    )
+    truncated = serializers.BooleanField(help_text="The engine holds more than the 1000 listed.")

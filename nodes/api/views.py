@@ -5,6 +5,8 @@ Thin: serializers check the bodies and shape the answers, nodes.services decides
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.db.models import Prefetch
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -19,12 +21,14 @@ from core.errors import ServiceError
 from nodes import operations as master_operations
 from nodes import rotation, services, status_cache
 from nodes import status as node_status
+from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.api.serializers import (
     JoinTokenRequestSerializer,
     MaintenanceSerializer,
     MasterOperationListSerializer,
     MasterOperationSerializer,
     NodeChangeSerializer,
+    NodeImageListSerializer,
     NodeListSerializer,
     NodeSerializer,
     RekeyRequestSerializer,
@@ -40,10 +44,45 @@ def _node_answer(node: Node) -> Response:
     return Response(NodeSerializer(node, context={"statuses": statuses}).data)
 
 
+def _node_images(node_id: str) -> dict[str, Any]:
+    """The images a serving node's Docker engine holds, asked of its agent now; the
+    agent's refusals as the API's (docs/operator-guide.md, "Models through /api")."""
+    node = Node.objects.filter(node_id=node_id).first()
+    if node is None:
+        raise ServiceError(404, "not_found", f"Node '{node_id}' does not exist.")
+    node_status.require_serving(node, "its images cannot be read now")
+    try:
+        with AgentClient(node=node) as client:
+            answer = client.images()
+    except AgentTimeout as exc:
+        # A read changes nothing: unlike a command's, its lost answer leaves no doubt.
+        raise ServiceError(
+            503, "node_unreachable", f"Node {node_id} did not list its images in time."
+        ) from exc
+    except AgentUnreachable as exc:
+        raise ServiceError(503, "node_unreachable", str(exc)) from exc  # it names the node
+    except AgentRefused as exc:
+        if exc.status == 404 and exc.code == "not_found":
+            # An agent from before GET /agent/v1/images has no such route.
+            raise ServiceError(
+                501,
+                "not_supported",
+                f"Node {node_id}: its agent cannot list images; upgrade the agent.",
+            ) from exc
+        status = exc.status if exc.status in (501, 503) else 502
+        raise ServiceError(status, exc.code, f"Node {node_id}: {exc.message}") from exc
+    images = answer.get("images") if isinstance(answer, dict) else None
+    if not isinstance(images, list) or not all(isinstance(i, dict) for i in images):
+        raise ServiceError(
+            502, "unexpected_answer", f"Node {node_id}: the agent's image list is malformed."
+        )
+    return {"node": node.node_id, "images": images, "truncated": bool(answer.get("truncated"))}
+
+
 @extend_schema(tags=["nodes"])
 class NodeViewSet(viewsets.GenericViewSet):
     """The nodes, with commands as actions: approve, revoke, drain, undrain, rekey, rotate,
-    maintenance; and the operations the master sent to each."""
+    maintenance; the operations the master sent to each, and the images each holds."""
 
     queryset = Node.objects.all()
     serializer_class = NodeSerializer
@@ -151,6 +190,17 @@ class NodeViewSet(viewsets.GenericViewSet):
         )
         listed = MasterOperationSerializer(rows, many=True).data
         return Response({"operations": listed, "more": more})
+
+    @extend_schema(
+        responses={200: NodeImageListSerializer, **errors(404, 501, 502, 503)},
+        description="The container images the node's Docker engine holds, read from its "
+        "agent now: 501 not_supported on a node without DockerEnabled, 503 "
+        "node_not_serving, node_unreachable or docker_unavailable "
+        '(docs/operator-guide.md, "Models through /api").',
+    )
+    @action(detail=True, methods=["get"])
+    def images(self, request: Request, node_id: str) -> Response:
+        return Response(NodeImageListSerializer(_node_images(node_id)).data)
 
     @extend_schema(
         request=MaintenanceSerializer,

@@ -57,6 +57,7 @@ FACES: dict[str, set[str]] = {
         "confined_path",
         "engine_log_path",
         "install_llama_server",
+        "list_images",
         "resolve_model_path",
         "stop_recorded_containers",
         "stop_recorded_engines",
@@ -67,7 +68,12 @@ FACES: dict[str, set[str]] = {
         "engine_log_path",
         "stop_recorded_engines",
     },
-    "agent.engines.container": {"CONTAINER_OFFERS", "ContainerRuntime", "stop_recorded_containers"},
+    "agent.engines.container": {
+        "CONTAINER_OFFERS",
+        "ContainerRuntime",
+        "list_images",
+        "stop_recorded_containers",
+    },
     "agent.weights": {"DownloadManager", "Weights", "is_model_file", "read_summary"},
     "agent.identity": {
         "Identity",

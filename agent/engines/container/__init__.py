@@ -7,7 +7,8 @@ instance's state), ``_records`` (``containers.json``), ``_adoption`` (after an a
 restart), ``_images`` (pulls), ``_leftovers`` (what a dead agent left).
 """
 
+from agent.engines.container._images import list_images
 from agent.engines.container._leftovers import stop_recorded_containers
 from agent.engines.container._runtime import CONTAINER_OFFERS, ContainerRuntime
 
-__all__ = ["CONTAINER_OFFERS", "ContainerRuntime", "stop_recorded_containers"]
+__all__ = ["CONTAINER_OFFERS", "ContainerRuntime", "list_images", "stop_recorded_containers"]

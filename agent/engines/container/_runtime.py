@@ -496,6 +496,11 @@ class ContainerRuntime(ContainerAdoption):
                     self._config.restart_budget,
                 )
                 inst.adopted = False
+                # Starting from here on: the count and the state change in one event, so
+                # nobody sees the old Ready beside the new restart count.
+                inst.state = STARTING
+                inst.ready_at = None
+                self._changed(inst)
                 await self._start_container(inst)
 
     async def _wait_exit(self, inst: ContainerInstance) -> int | None:
