@@ -15,15 +15,28 @@ from django.shortcuts import redirect, render
 
 from console.access import operator_required
 from core.errors import ServiceError
-from models_registry import admission, downloads, llamacpp, services, suggest
+from models_registry import admission, downloads, drafts, llamacpp, services, suggest, vllm
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
 from nodes.models import Node
+from protocol.engine_flags import DELIVERIES
 from protocol.names import NODE_ID_RE
 
 GIB = 2**30
 SOURCE_KINDS = (("folder", "A folder on a node"), ("huggingface", "A Hugging Face repo"))
 DEFAULTS = llamacpp.LlamaCppSettings()
+VLLM_DEFAULTS = vllm.VllmSettings()
+# The form's names of the llama.cpp section (the settings of the same names).
+LLAMACPP_FIELDS = (
+    "context_size", "parallel", "gpu_layers", "flash_attention", "cache_type_k",
+    "cache_type_v", "batch_size", "ubatch_size", "threads", "reasoning", "embedding",
+    "pooling", "causal_attention", "emulate_dimensions", "chat_template", "extra_args",
+)  # fmt: skip
+# The vLLM section: prefixed, since chat_template and extra_args are llama.cpp's names too.
+VLLM_PREFIX = "vllm_"
+VLLM_FIELDS = tuple(VLLM_PREFIX + name for name in VLLM_DEFAULTS.to_dict())
+# Prefix caching is three-valued: vLLM's default when unset.
+PREFIX_CACHING = {"": None, "on": True, "off": False}
 
 
 def _select(options: tuple[str, ...], *, blank: bool = False) -> forms.Select:
@@ -31,10 +44,22 @@ def _select(options: tuple[str, ...], *, blank: bool = False) -> forms.Select:
     return forms.Select(choices=[("", "(none)"), *choices] if blank else choices)
 
 
+def _lines(text: str | None) -> list[str]:
+    """One argument a line, so a value with spaces stays one argument."""
+    return [line.strip() for line in (text or "").splitlines() if line.strip()]
+
+
 class ModelForm(forms.Form):
     """Text to typed values only; the rules (ranges, names, allow-lists) are the services'."""
 
     served_name = forms.CharField(required=False, max_length=400)
+    runtime = forms.CharField(
+        required=False,
+        initial=ModelDefinition.Runtime.LLAMACPP,
+        widget=forms.Select(choices=ModelDefinition.Runtime.choices),
+    )
+    delivery = forms.CharField(required=False, initial="process", widget=_select(DELIVERIES))
+    image = forms.CharField(required=False, max_length=1000)
     source_kind = forms.ChoiceField(
         choices=SOURCE_KINDS, initial="folder", widget=forms.RadioSelect
     )
@@ -69,10 +94,88 @@ class ModelForm(forms.Form):
     extra_args = forms.CharField(
         required=False, max_length=10_000, widget=forms.Textarea(attrs={"rows": 3})
     )
+    vllm_max_model_len = forms.IntegerField(required=False)
+    vllm_max_num_seqs = forms.IntegerField(initial=VLLM_DEFAULTS.max_num_seqs)
+    # Text, not a number input: Chromium scrolls back to a number input holding a decimal
+    # when it loses focus, so a click on Save right after editing it could miss.
+    vllm_gpu_memory_utilization = forms.FloatField(
+        initial=VLLM_DEFAULTS.gpu_memory_utilization,
+        widget=forms.TextInput(attrs={"inputmode": "decimal", "size": 6}),
+    )
+    vllm_tensor_parallel_size = forms.IntegerField(required=False)
+    vllm_dtype = forms.CharField(initial=VLLM_DEFAULTS.dtype, widget=_select(vllm.DTYPES))
+    vllm_quantization = forms.CharField(
+        required=False, widget=_select(vllm.QUANTIZATIONS, blank=True)
+    )
+    vllm_kv_cache_dtype = forms.CharField(
+        initial=VLLM_DEFAULTS.kv_cache_dtype, widget=_select(vllm.KV_CACHE_DTYPES)
+    )
+    vllm_enable_prefix_caching = forms.CharField(
+        required=False,
+        widget=forms.Select(choices=[("", "engine default"), ("on", "on"), ("off", "off")]),
+    )
+    vllm_chat_template = forms.CharField(required=False, max_length=300)
+    vllm_tool_call_parser = forms.CharField(
+        required=False, widget=_select(vllm.TOOL_CALL_PARSERS, blank=True)
+    )
+    vllm_reasoning_parser = forms.CharField(
+        required=False, widget=_select(vllm.REASONING_PARSERS, blank=True)
+    )
+    vllm_extra_args = forms.CharField(
+        required=False, max_length=10_000, widget=forms.Textarea(attrs={"rows": 3})
+    )
     auto_start = forms.BooleanField(required=False)
     memory_budget_gib = forms.FloatField(required=False)
 
+    def clean(self) -> dict[str, Any] | None:
+        # Only the chosen runtime's section goes to the services, so what the other one
+        # holds (hidden by editor.js, or shown without it) cannot block a save.
+        unsent = LLAMACPP_FIELDS if self.is_vllm() else VLLM_FIELDS
+        for name in unsent:
+            self.errors.pop(name, None)
+        return super().clean()
+
+    def is_vllm(self) -> bool:
+        return getattr(self, "cleaned_data", {}).get("runtime") == ModelDefinition.Runtime.VLLM
+
+    def field_of_setting(self, name: str) -> str:
+        """The form field of a setting the services name, in the chosen runtime's section."""
+        return VLLM_PREFIX + name if self.is_vllm() else name
+
+    def runtime_values(self) -> dict[str, str]:
+        """``runtime``, ``delivery`` and ``image`` as posted; one not posted is left to the
+        services (the saved value, or the default). A process has no image: the field may
+        still hold text typed before the delivery changed (hidden by editor.js)."""
+        out = {
+            name: str(self.cleaned_data.get(name) or "")
+            for name in ("runtime", "delivery", "image")
+            if name in self.data
+        }
+        if out.get("delivery") == "process":
+            out["image"] = ""
+        return out
+
     def settings(self) -> dict[str, Any]:
+        """The chosen runtime's settings as the services take them."""
+        return self.vllm_settings() if self.is_vllm() else self.llamacpp_settings()
+
+    def vllm_settings(self) -> dict[str, Any]:
+        """Empty optional fields: None (vLLM's own default, docs/operator-guide.md)."""
+        data = self.cleaned_data
+        out = {
+            name: data.get(VLLM_PREFIX + name)
+            for name in ("max_model_len", "max_num_seqs", "gpu_memory_utilization",
+                         "tensor_parallel_size", "dtype", "kv_cache_dtype")
+        }  # fmt: skip
+        for name in ("quantization", "chat_template", "tool_call_parser", "reasoning_parser"):
+            out[name] = data.get(VLLM_PREFIX + name) or None
+        caching = data.get("vllm_enable_prefix_caching") or ""
+        # A word the select does not offer goes as it is, for the services to refuse.
+        out["enable_prefix_caching"] = PREFIX_CACHING.get(caching, caching)
+        out["extra_args"] = _lines(data.get("vllm_extra_args"))
+        return out
+
+    def llamacpp_settings(self) -> dict[str, Any]:
         """The llama.cpp settings as the services take them (empty optional fields: None)."""
         data = self.cleaned_data
         out: dict[str, Any] = {
@@ -85,9 +188,7 @@ class ModelForm(forms.Form):
         }  # fmt: skip
         out["pooling"] = data.get("pooling") or None
         out["chat_template"] = data.get("chat_template") or None
-        # One argument a line, so a value with spaces stays one argument.
-        lines = (data.get("extra_args") or "").splitlines()
-        out["extra_args"] = [line.strip() for line in lines if line.strip()]
+        out["extra_args"] = _lines(data.get("extra_args"))
         return out
 
     def budget_bytes(self) -> int | None:
@@ -99,6 +200,9 @@ def initial_for(model: ModelDefinition) -> dict[str, Any]:
     """The form's values of a saved definition."""
     initial: dict[str, Any] = {
         "served_name": model.served_name,
+        "runtime": model.runtime,
+        "delivery": model.delivery,
+        "image": model.image,
         "source_kind": "folder",
         "source_folder": model.source_folder,
         "source_file": model.source_file,
@@ -110,12 +214,17 @@ def initial_for(model: ModelDefinition) -> dict[str, Any]:
     placements = list(model.placements.all())
     if placements:
         initial["source_node"] = placements[0].node.node_id
-    saved = {**DEFAULTS.to_dict(), **(model.settings or {})}
-    for key, value in saved.items():
+    vllm_model = model.runtime == ModelDefinition.Runtime.VLLM
+    prefix = VLLM_PREFIX if vllm_model else ""
+    defaults = VLLM_DEFAULTS.to_dict() if vllm_model else DEFAULTS.to_dict()
+    for key, value in {**defaults, **(model.settings or {})}.items():
+        name = prefix + key
         if key == "extra_args":
-            initial[key] = "\n".join(value) if isinstance(value, list) else ""
-        elif key in ModelForm.base_fields:
-            initial[key] = "" if value is None else value
+            initial[name] = "\n".join(value) if isinstance(value, list) else ""
+        elif key == "enable_prefix_caching" and vllm_model:
+            initial[name] = {True: "on", False: "off"}.get(value, "")
+        elif name in ModelForm.base_fields:
+            initial[name] = "" if value is None else value
     return initial
 
 
@@ -181,16 +290,24 @@ def attach_error(
     if isinstance(fields, dict):
         for path, message in fields.items():
             name = str(path).removeprefix("settings.")
-            form.add_error(name if name in form.fields else None, f"{name}: {message}")
+            form.add_error(_field(form, str(path)), f"{name}: {message}")
         return
     match = PREFIX.match(exc.message)
     path = str((exc.details or {}).get("field") or (match.group(1) if match else ""))
     if path.startswith("placements") or path == "node" or (saving and not path):
         placement_errors.append(exc.message)
         return
-    name = FIELD_NAMES.get(path) or path.removeprefix("settings.")
     message = exc.message[match.end() :] if match and match.group(1) == path else exc.message
-    form.add_error(name if name in form.fields else None, message)
+    form.add_error(_field(form, path), message)
+
+
+def _field(form: ModelForm, path: str) -> str | None:
+    """The form field a service's path names (a setting: in the chosen runtime's
+    section), None when the form has none."""
+    name = FIELD_NAMES.get(path) or path
+    if name.startswith("settings."):
+        name = form.field_of_setting(name.removeprefix("settings."))
+    return name if name in form.fields else None
 
 
 def _nodes(model: ModelDefinition | None, post: Any | None) -> list[dict[str, Any]]:
@@ -246,6 +363,8 @@ def _suggestions(model: ModelDefinition | None) -> tuple[list[dict[str, Any]], s
     """The ranked suggestions with their reasons (suggest.py), or why there are none."""
     if model is None:
         return [], "Name a folder and a file: the nodes are ranked as you type."
+    if model.runtime == ModelDefinition.Runtime.VLLM:
+        return [], drafts.VLLM_SUGGESTIONS_NOTE
     try:
         ranked = list(suggest.suggest_placements(model.pk)["suggestions"])
     except ServiceError as exc:
@@ -305,6 +424,7 @@ def _editor(request: HttpRequest, model: ModelDefinition | None) -> HttpResponse
         if form.is_valid() and not budget_errors:
             data: dict[str, Any] = {
                 "served_name": form.cleaned_data["served_name"],
+                **form.runtime_values(),
                 "source_folder": form.cleaned_data["source_folder"],
                 "source_file": form.cleaned_data["source_file"],
                 "settings": form.settings(),

@@ -67,6 +67,10 @@ def model_row(
         "node_id": summary["nodeId"] or "-",
         "error": summary["error"] or "",
         "nodes": [p.node.node_id for p in model.placements.all()],
+        # Fields of the row itself: no query per row.
+        "runtime": model.get_runtime_display(),
+        "delivery": model.delivery,
+        "image": model.image if model.delivery == ModelDefinition.Delivery.CONTAINER else "",
         "budget_gib": gib(budget),
         "budget_manual": bool(model.memory_budget_bytes),
         "measured_gib": gib(summary["measuredBytes"]),
@@ -125,6 +129,8 @@ def _replicas(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> list[d
                 "node_id": node.node_id,
                 "node_state": node_status.state_of(status),
                 "instance_id": placement.instance_id,
+                # The short form docker ps prints; a process instance has none.
+                "container_id": str((inst or {}).get("containerId") or "")[:12],
                 "gpus": ", ".join(placement.gpu_uuids) or "host memory",
                 "state": (inst or {}).get("state", "Stopped") if serving else "Offline",
                 "measured_gib": gib(measured),

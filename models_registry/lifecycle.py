@@ -296,7 +296,10 @@ def _budget_of(model_id: Any) -> int:
     model = ModelDefinition.objects.filter(pk=model_id).first()
     if model is None:
         return 0
-    return int(model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes") or 0)
+    estimated = int((model.estimate or {}).get("budgetBytes") or 0)
+    if model.runtime == ModelDefinition.Runtime.VLLM:
+        return estimated  # its GPU shares (D89); a manual budget does not apply
+    return int(model.memory_budget_bytes or estimated)
 
 
 def starting_budgets(status: Mapping[str, Any] | None, *, skip: str) -> dict[str | None, int]:

@@ -56,9 +56,7 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
             f"served_name: '{served}' is already used by another model (stopped ones count too).",
         )
     cleaned["served_name"] = served
-    runtime = data.get("runtime", instance.runtime if instance else "llamacpp")
-    if runtime not in RUNTIMES:
-        raise _invalid("runtime", f"use one of {', '.join(RUNTIMES)}")
+    runtime = clean_runtime(data.get("runtime", instance.runtime if instance else "llamacpp"))
     cleaned["runtime"] = runtime
     cleaned["delivery"], cleaned["image"] = clean_delivery(data, runtime, instance)
     folder = data.get("source_folder", instance.source_folder if instance else None)
@@ -67,11 +65,9 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
     except ServiceError:
         raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'") from None
     cleaned["source_folder"] = folder
-    source_file = data.get("source_file", instance.source_file if instance else None)
-    if runtime == "vllm" and source_file in (None, ""):
-        cleaned["source_file"] = ""  # vLLM reads the whole (Hugging Face) folder
-    else:
-        cleaned["source_file"] = clean_source_file(source_file)
+    cleaned["source_file"] = clean_model_file(
+        runtime, data.get("source_file", instance.source_file if instance else None)
+    )
     raw_settings = data.get("settings", instance.settings if instance else {})
     cleaned["settings"] = (
         clean_vllm_settings(raw_settings) if runtime == "vllm" else clean_settings(raw_settings)
@@ -84,6 +80,21 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
 
 
 RUNTIMES = ("llamacpp", "vllm")
+
+
+def clean_runtime(runtime: Any) -> str:
+    """One of RUNTIMES, else 400 naming runtime."""
+    if runtime not in RUNTIMES:
+        raise _invalid("runtime", f"use one of {', '.join(RUNTIMES)}")
+    return str(runtime)
+
+
+def clean_model_file(runtime: str, file: Any) -> str:
+    """The model's file: a .gguf for llama.cpp; for vLLM empty (the whole Hugging Face
+    folder is the model) or a file of the folder."""
+    if runtime == "vllm" and file in (None, ""):
+        return ""
+    return clean_source_file(file)
 
 
 def clean_delivery(
@@ -268,10 +279,24 @@ def _clean_budget(data: dict[str, Any]) -> dict[str, Any]:
     return {"memory_budget_bytes": value}
 
 
+def _budget_for(data: dict[str, Any], cleaned: dict[str, Any]) -> dict[str, Any]:
+    """The manual budget; a vLLM model has none: it takes its share of each GPU (D89)."""
+    budget = _clean_budget(data)
+    if cleaned["runtime"] != "vllm":
+        return budget
+    if budget.get("memory_budget_bytes"):
+        raise _invalid(
+            "memoryBudgetBytes",
+            "vLLM takes settings.gpu_memory_utilization of each placed GPU; set that instead",
+        )
+    return {"memory_budget_bytes": None}
+
+
 @transaction.atomic
 def create_model(data: dict[str, Any]) -> ModelDefinition:
     """Create a definition and, when ``node`` or ``placements`` is given, its placements."""
-    cleaned = validate_definition(data) | _clean_budget(data)
+    cleaned = validate_definition(data)
+    cleaned |= _budget_for(data, cleaned)
     placements = _clean_placements(data)
     model = ModelDefinition.objects.create(**cleaned)
     if placements:
@@ -283,7 +308,8 @@ def create_model(data: dict[str, Any]) -> ModelDefinition:
 @transaction.atomic
 def update_model(model: ModelDefinition, data: dict[str, Any]) -> ModelDefinition:
     """Change a definition; a running instance shows "restart pending" until restarted."""
-    cleaned = validate_definition(data, instance=model) | _clean_budget(data)
+    cleaned = validate_definition(data, instance=model)
+    cleaned |= _budget_for(data, cleaned)
     placements = _clean_placements(data)
     for key, value in cleaned.items():
         setattr(model, key, value)

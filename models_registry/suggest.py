@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from core.errors import ServiceError
-from models_registry import admission, lifecycle
+from models_registry import admission, lifecycle, vllm
 from models_registry.models import ModelDefinition
 from models_registry.services import get_model
 from nodes import status as node_status
@@ -28,11 +28,45 @@ def _holds(status: Mapping[str, Any], folder: str) -> bool:
     return any(isinstance(w, dict) and w.get("folder") == folder for w in weights)
 
 
-def _engine(node: Node) -> bool | None:
+def _engine(node: Node, model: ModelDefinition) -> bool | None:
+    """Whether the node can run the model's engine: for a container the runtime it
+    offers (lifecycle.check_node_offers' rule), for a process its llama.cpp build."""
+    if model.delivery == ModelDefinition.Delivery.CONTAINER:
+        try:
+            lifecycle.check_node_offers(model, node)
+        except ServiceError:
+            return False
+        return True
     executables = (node.facts or {}).get("executables")
     if not executables:
         return None  # unknown: an agent that does not report its engines
     return any(e.get("name") == "llama.cpp" and e.get("verified", True) for e in executables)
+
+
+def _vllm_line(
+    model: ModelDefinition, node: Node, status: dict[str, Any]
+) -> tuple[bool, list[str], str]:
+    """vLLM on the node's roomiest GPU: its gpu_memory_utilization share of that card
+    (lifecycle.vllm_estimate's rule, D89); (fits, GPUs, reason)."""
+    gpus = admission.node_gpus(node, status)
+    if not gpus:
+        return False, [], "no GPU: vLLM needs GPUs"
+    settings = vllm.saved_settings(model.settings, model=model.served_name)
+    best = None
+    for uuid, gpu in gpus.items():
+        share = vllm.memory_budget_bytes(settings, [int(gpu.get("memoryTotalBytes") or 0)])[0]
+        line = admission.check(
+            node=node,
+            gpu_uuids=[uuid],
+            gpu_budgets=[share],
+            budget=share,
+            status=status,
+            starting_budgets=lifecycle.starting_budgets(status, skip=""),
+        )[0]
+        if best is None or (line.free or -1) - line.needs > (best.free or -1) - best.needs:
+            best = line
+    assert best is not None
+    return best.fits, [best.uuid] if best.fits and best.uuid else [], best.text()
 
 
 def _models_disk_free(status: dict[str, Any]) -> int | None:
@@ -81,7 +115,9 @@ def suggest_for(
         if node_status.is_serving(statuses[n.node_id])
         and _holds(statuses[n.node_id], model.source_folder)
     ]
-    budget, size = _budget_and_size(model, holders, read_header)
+    vllm_model = model.runtime == ModelDefinition.Runtime.VLLM
+    # vLLM's budget is a share of each card, not a file's estimate (D89).
+    budget, size = (None, None) if vllm_model else _budget_and_size(model, holders, read_header)
     candidates = []
     for node in nodes:
         status: dict[str, Any] = dict(statuses[node.node_id])
@@ -89,7 +125,7 @@ def suggest_for(
         serving = node_status.is_serving(statuses[node.node_id])
         reasons: list[str] = []
         holds = _holds(status, model.source_folder)
-        engine = _engine(node)
+        engine = _engine(node, model)
         gpus: list[str] = []
         fits = False
         if not serving:
@@ -97,8 +133,15 @@ def suggest_for(
         if node.draining:
             reasons.append("draining")
         if engine is False:
-            reasons.append("llama.cpp is not installed")
-        if budget is None:
+            reasons.append(
+                f"does not offer {model.runtime} as a {model.delivery}"
+                if model.delivery == ModelDefinition.Delivery.CONTAINER
+                else "llama.cpp is not installed"
+            )
+        if vllm_model:
+            fits, gpus, reason = _vllm_line(model, node, status)
+            reasons.append(reason)
+        elif budget is None:
             reasons.append("no estimate yet: no serving node holds the weights")
         else:
             free_gpus = admission.node_gpus(node, status)

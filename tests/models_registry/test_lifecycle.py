@@ -266,3 +266,40 @@ def test_an_unanswered_command_is_504_outcome_unknown() -> None:
     assert "Look at the node before retrying" in timeout.message
     refused = lifecycle.agent_error(node, AgentUnreachable("node n1: connection refused"))
     assert (refused.status, refused.code) == (503, "node_unreachable")
+
+
+@pytest.mark.django_db
+def test_vllm_suggestions_rank_nodes_by_their_gpu_share_and_offer(
+    operator_client: APIClient, status_redis: object
+) -> None:
+    from nodes import status_cache
+
+    gpu = "GPU-5c5c5c5c-aaaa-bbbb-cccc-dddddddddddd"
+    offers = ["runtime.llamacpp.process", "runtime.llamacpp.container", "runtime.vllm.container"]
+    big = make_node("big", facts={"features": offers})
+    small = make_node("small", facts={"features": offers})
+    plain = make_node("plain", facts={"features": ["runtime.llamacpp.process"]})
+    cpu = make_node("cpu", facts={"features": offers})
+    model = ModelDefinition.objects.create(
+        served_name="qwen", runtime="vllm", delivery="container", image="vllm/vllm-openai:v0",
+        source_folder="Qwen", source_file="", settings={"gpu_memory_utilization": 0.5},
+    )  # fmt: skip
+    for node, total, used in ((big, 80, 10), (small, 24, 16), (plain, 80, 0), (cpu, 0, 0)):
+        set_status(node, "Online")
+        status = status_cache.read(node.node_id) or {}
+        if total:
+            status["telemetry"]["gpus"] = [  # type: ignore[index]
+                {"index": 0, "uuid": gpu, "name": "H100", "memoryTotalBytes": total * GIB,
+                 "memoryUsedBytes": used * GIB}
+            ]  # fmt: skip
+        status_cache.write(status)
+    body = operator_client.get(f"/api/models/{model.pk}/placement-suggestions").json()
+    by_node = {s["node"]: s for s in body["suggestions"]}
+    assert body["suggestions"][0]["node"] == "big"
+    assert by_node["big"]["suitable"] and by_node["big"]["gpuUuids"] == [gpu]
+    # Half of 24 GiB is 12 GiB, and 8 GiB are free: the share does not fit.
+    assert not by_node["small"]["fits"]
+    assert "needs 12.0 GiB" in " ".join(by_node["small"]["reasons"])
+    assert not by_node["plain"]["suitable"]
+    assert "does not offer vllm as a container" in by_node["plain"]["reasons"]
+    assert "no GPU: vLLM needs GPUs" in by_node["cpu"]["reasons"]
