@@ -522,20 +522,21 @@ class ContainerRuntime(ContainerAdoption):
                 return code
 
     async def _fail(self, inst: ContainerInstance, error: str, exit_code: int | None) -> None:
-        """Failed, with the container's last lines; the container is removed."""
+        """Failed, with the container's last lines; the container is removed first, so a
+        reader that sees Failed never finds the container still there."""
         path = engine_log_path(self._config.state_directory, inst.instance_id)
         if inst.follower is not None:
             await asyncio.to_thread(inst.follower.join, 2.0)
-        inst.state = FAILED
-        inst.error = error
-        inst.exit_code = exit_code
-        inst.log_tail = read_log_tail(path, inst.log_offset)
-        inst.pid = None
-        inst.pulling = None
         if inst.container_id is not None:
             with contextlib.suppress(DockerRefused, DockerUnavailable):
                 await self._remove(inst.container_id)
             inst.container_id = None
+        inst.state = FAILED
+        inst.error = error
+        inst.exit_code = exit_code
+        inst.log_tail = await asyncio.to_thread(read_log_tail, path, inst.log_offset)
+        inst.pid = None
+        inst.pulling = None
         self._ports.release(inst.port)
         log.error("Instance %s failed: %s", inst.instance_id, error)
         self._changed(inst)
