@@ -386,12 +386,19 @@ class NodeWorker:
         elif name == "health":
             self.agent_reasons = list(data.get("reasons") or [])
             await self.recompute()
-        elif name == "hello" and data.get("bootId") not in (None, self.status.get("bootId")):
-            # The agent restarted between /status and /events: take a fresh snapshot.
+        elif name == "hello":
+            # What happened between the /status snapshot and this subscription is not
+            # replayed (an engine adopted or Ready in that gap would stay Starting here):
+            # take the snapshot again now that nothing can be missed.
+            restarted = data.get("bootId") not in (None, self.status.get("bootId"))
+            before = self.status.get("instances")
             self.apply_snapshot(await self.client.status())
-            self.status["bootId"] = str(data.get("bootId"))
-            await self.recompute(announce=True)
-            self.maybe_autostart()
+            if restarted:
+                self.status["bootId"] = str(data.get("bootId"))
+                await self.recompute(announce=True)
+                self.maybe_autostart()
+            elif self.status.get("instances") != before:
+                await self.recompute(announce=True)
 
     async def follow_events(self) -> None:
         async for name, data in self.client.events(read_timeout=OFFLINE_AFTER_SECONDS):
