@@ -54,7 +54,7 @@ def ensure_llama_server() -> Path:
 
 def ensure_debian_packages() -> None:
     """Chromium (browser tests), curl (the e2e test runs the printed curl line), Podman
-    and runc (the container tests)."""
+    and runc (the container tests), podman-compose and debootstrap (the compose test)."""
     missing = [
         package
         for package, present in (
@@ -63,6 +63,10 @@ def ensure_debian_packages() -> None:
             # The container tests: Podman serves the Docker API here (tests/containers.py).
             ("podman", shutil.which("podman") is not None),
             ("runc", shutil.which("runc") is not None),
+            # The compose test (tests/e2e/test_compose.py): the stack, and its images'
+            # root file system where no registry is reachable (tests/compose_images.py).
+            ("podman-compose", shutil.which("podman-compose") is not None),
+            ("debootstrap", shutil.which("debootstrap") is not None),
         )
         if not present
     ]
