@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 from core.errors import ServiceError
 from protocol.engine_flags import (
@@ -29,6 +30,7 @@ from protocol.engine_flags import (
 )
 
 ENGINE = "llamacpp"
+T = TypeVar("T")
 
 ALWAYS_FLAGS = [
     "--host", LOOPBACK,
@@ -156,13 +158,26 @@ def saved_settings(data: dict[str, Any] | None, *, model: str) -> LlamaCppSettin
     A definition saved before a rule was tightened (issue 11: the flag allow-list)
     can hold settings that are now refused; starting it must say so, not fail.
     """
+    return parse_saved(
+        LlamaCppSettings.from_dict, data, model=model, code=f"{ENGINE}_settings_invalid"
+    )
+
+
+def parse_saved(
+    parse: Callable[[dict[str, Any] | None], T],
+    data: dict[str, Any] | None,
+    *,
+    model: str,
+    code: str,
+) -> T:
+    """Any runtime's saved settings through its ``parse``; 409 ``code`` naming the field."""
     try:
-        return LlamaCppSettings.from_dict(data)
+        return parse(data)
     except SettingsError as exc:
         name, problem = next(iter(exc.errors.items()))
         raise ServiceError(
             409,
-            "llamacpp_settings_invalid",
+            code,
             f"Model '{model}': its saved settings.{name} are refused now: {problem}. "
             "Change them (PATCH the model's settings) before starting it.",
             details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from django.db import transaction
 
@@ -27,6 +28,7 @@ from protocol.images import ImageRefused, parse_image
 from protocol.states import InstanceState
 
 log = logging.getLogger("mirbad.models")
+T = TypeVar("T")
 
 SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
@@ -120,15 +122,20 @@ def clean_delivery(
 
 def clean_vllm_settings(raw: Any) -> vllm.VllmSettings:
     """vLLM settings parsed, else 400 vllm_settings_invalid naming every bad field."""
+    return _typed_settings(vllm.VllmSettings.from_dict, raw, "vllm_settings_invalid")
+
+
+def _typed_settings(parse: Callable[[dict[str, Any]], T], raw: Any, code: str) -> T:
+    """A runtime's settings through its ``parse``; 400 ``code`` naming every bad field."""
     if not isinstance(raw, dict):
         raise _invalid("settings", "must be an object")
     try:
-        return vllm.VllmSettings.from_dict(raw)
+        return parse(raw)
     except llamacpp.SettingsError as exc:
         first = next(iter(exc.errors))
         raise ServiceError(
             400,
-            "vllm_settings_invalid",
+            code,
             f"settings.{first}: {exc.errors[first]}",
             details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
         ) from None
@@ -143,18 +150,7 @@ def clean_source_file(file: Any) -> str:
 
 def clean_settings(raw: Any) -> llamacpp.LlamaCppSettings:
     """llama.cpp settings parsed, else 400 llamacpp_settings_invalid naming every bad field."""
-    if not isinstance(raw, dict):
-        raise _invalid("settings", "must be an object")
-    try:
-        return llamacpp.LlamaCppSettings.from_dict(raw)
-    except llamacpp.SettingsError as exc:
-        first = next(iter(exc.errors))
-        raise ServiceError(
-            400,
-            "llamacpp_settings_invalid",
-            f"settings.{first}: {exc.errors[first]}",
-            details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
-        ) from None
+    return _typed_settings(llamacpp.LlamaCppSettings.from_dict, raw, "llamacpp_settings_invalid")
 
 
 def _resolve_node(node_id: Any) -> Node:

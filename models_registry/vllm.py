@@ -20,8 +20,7 @@ from dataclasses import asdict, dataclass, fields
 from decimal import Decimal
 from typing import Any
 
-from core.errors import ServiceError
-from models_registry.llamacpp import SettingsError
+from models_registry.llamacpp import SettingsError, parse_saved
 from protocol.engine_flags import (
     CONTAINER_ANY,
     MODEL_PLACEHOLDER,
@@ -191,17 +190,7 @@ def saved_settings(data: dict[str, Any] | None, *, model: str) -> VllmSettings:
     A definition saved before a rule was tightened can hold settings that are now
     refused; starting it must say so, not fail.
     """
-    try:
-        return VllmSettings.from_dict(data)
-    except SettingsError as exc:
-        name, problem = next(iter(exc.errors.items()))
-        raise ServiceError(
-            409,
-            "vllm_settings_invalid",
-            f"Model '{model}': its saved settings.{name} are refused now: {problem}. "
-            "Change them (PATCH the model's settings) before starting it.",
-            details={"fields": {f"settings.{k}": v for k, v in exc.errors.items()}},
-        ) from None
+    return parse_saved(VllmSettings.from_dict, data, model=model, code="vllm_settings_invalid")
 
 
 def tensor_parallel(settings: VllmSettings, gpus: int) -> int:

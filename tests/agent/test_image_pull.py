@@ -22,13 +22,11 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import docker
 import pytest
-from agent_support import client_context, make_identity, master_headers
+from container_support import Agent, agent_on
 
 from agent._config import AgentConfig
-from agent.http._server import AgentServer
 from protocol.tinygguf import write_tiny_gguf
 from tests.containers import engine_image, podman_env, podman_socket
 from tests.fakeregistry import BlobHooks, FakeRegistry, OciImage, export_oci_dir
@@ -103,34 +101,6 @@ def container_body(image: str, instance_id: str = "c-1") -> dict[str, Any]:
     }  # fmt: skip
 
 
-class Agent:
-    def __init__(self, server: AgentServer, session: aiohttp.ClientSession) -> None:
-        self.server = server
-        self.session = session
-
-    def url(self, path: str) -> str:
-        return f"https://127.0.0.1:{self.server.port}{path}"
-
-    async def post(self, path: str, body: Any = None) -> tuple[int, Any]:
-        async with self.session.post(self.url(path), json=body, headers=master_headers()) as r:
-            return r.status, await r.json(content_type=None)
-
-    async def instance(self, instance_id: str) -> dict[str, Any]:
-        async with self.session.get(self.url("/agent/v1/instances")) as r:
-            items = (await r.json())["instances"]
-        return next(i for i in items if i["instanceId"] == instance_id)
-
-    async def wait_state(self, instance_id: str, *states: str, timeout: float = 60) -> dict:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            item = await self.instance(instance_id)
-            if item["state"] in states:
-                return item
-            assert loop.time() < deadline, item
-            await asyncio.sleep(0.1)
-
-
 @pytest.fixture
 def tiny_models(tmp_path: Path) -> Path:
     root = tmp_path / "models"
@@ -156,26 +126,6 @@ def pull_config(
         return make_config(**values)
 
     return build
-
-
-@contextlib.asynccontextmanager
-async def agent_on(config: AgentConfig, pki: Any, tmp: Path) -> AsyncIterator[Agent]:
-    identity = make_identity(pki, config.state_directory)
-    server = AgentServer(
-        config=config,
-        identity=identity,
-        heartbeat_interval=0.3,
-        ready_poll_interval=0.2,
-        stop_grace_seconds=2.0,
-    )
-    await server.start()
-    ctx = client_context(pki, pki.master, tmp / "client")
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx))
-    try:
-        yield Agent(server, session)
-    finally:
-        await session.close()
-        await server.stop()
 
 
 @contextlib.asynccontextmanager
