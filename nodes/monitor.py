@@ -622,8 +622,9 @@ class Monitor:
                     await asyncio.wait_for(self.stop.wait(), timeout=self.refresh_interval)
         finally:
             listener.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await listener
+            # Bounded: a cancelled channels_redis receive() can hang in its clean-up, and
+            # a stopping monitor must not wait for it.
+            await asyncio.wait({listener}, timeout=5)
             for worker, task in self.workers.values():
                 worker.stop.set()
                 task.cancel()
