@@ -6,6 +6,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 
 from console import (
+    audit_views,
     backup_views,
     download_views,
     key_views,
@@ -53,6 +54,7 @@ urlpatterns = [
     path("models/<int:model_id>/edit/", model_editor.model_edit, name="model-edit"),
     path("models/<int:model_id>/<str:action>/", model_views.model_action, name="model-action"),
     path("usage/", usage_views.usage_page, name="usage"),
+    path("audit/", audit_views.audit_page, name="audit"),
     path("keys/", key_views.keys_page, name="keys"),
     path("keys/<int:key_id>/revoke/", key_views.revoke_key, name="key-revoke"),
     path("backups/", backup_views.backups_page, name="backups"),

@@ -59,6 +59,10 @@ class MasterConfig:
     join_token_minutes: int
     bootstrap_directory: Path
     log_level: str
+    # Each process ``./mirbad up`` starts logs to <data>/logs/<name>.log, copy-truncated
+    # past log_max_bytes with log_files rotated copies kept (protocol/logcap.py).
+    log_max_bytes: int = 64 * 1024 * 1024
+    log_files: int = 3
     # The limits of the web port and of the enroll listener, each its own (the agent's
     # HttpLimits defaults; docs/operator-guide.md, "Limits").
     http_max_head_bytes: int = HttpLimits.max_head_bytes
@@ -93,6 +97,8 @@ class MasterConfig:
     backup_passphrase: str | None = field(default=None, repr=False)
     backup_include_ca: bool = True
     backup_check_seconds: float = 60.0
+    # The audit log (nodes/audit.py) keeps events this many days; beat prunes it daily.
+    audit_keep_days: int = 365
     # The key that seals the master's private keys in the database (nodes/master_store.py,
     # D80): the same value on every master host. None: ``DATA_PATH/master.key``, made
     # once by the first start of a single-host master.
@@ -202,6 +208,10 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
             "MIRBAD_BOOTSTRAP_DIRECTORY", str(data_path / "bootstrap"), env=env
         ),
         log_level=level,
+        log_max_bytes=env_int(
+            "MIRBAD_LOG_MAX_BYTES", 64 * 1024 * 1024, minimum=64 * 1024, maximum=2**40, env=env
+        ),
+        log_files=env_int("MIRBAD_LOG_FILES", 3, minimum=0, maximum=100, env=env),
         http_max_head_bytes=env_int(
             "MIRBAD_HTTP_MAX_HEAD_BYTES",
             HttpLimits.max_head_bytes,
@@ -261,6 +271,7 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         backup_passphrase=env_secret("MIRBAD_BACKUP_PASSPHRASE", env=env),
         backup_include_ca=env_bool("MIRBAD_BACKUP_INCLUDE_CA", True, env=env),
         backup_check_seconds=env_float("MIRBAD_BACKUP_CHECK_SECONDS", 60.0, minimum=1.0, env=env),
+        audit_keep_days=env_int("MIRBAD_AUDIT_KEEP_DAYS", 365, minimum=1, maximum=36_500, env=env),
         master_key=env_secret("MIRBAD_MASTER_KEY", env=env),
     )
     if config.master_key is not None and len(config.master_key) < 32:

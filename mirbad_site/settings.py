@@ -65,6 +65,7 @@ MIDDLEWARE = [
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "nodes.audit.AuditContextMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -203,6 +204,10 @@ CELERY_BEAT_SCHEDULE = {
     "check-certificates": {
         "task": "nodes.tasks.check_certificates",
         "schedule": MIRBAD.cert_check_seconds,
+    },
+    "prune-audit-log": {
+        "task": "nodes.tasks.prune_audit_log",
+        "schedule": 3600.0,
     },
     "scheduled-backup": {
         "task": "backups.tasks.scheduled_backup",

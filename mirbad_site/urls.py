@@ -15,6 +15,7 @@ from mirbad_site import api_schema
 from models_registry.api import downloads as download_api
 from models_registry.api import views as model_api
 from nodes import monitor, status_cache
+from nodes.api import audit as audit_api
 from nodes.api import views as node_api
 from router.api import usage as usage_api
 from router.api import views as key_api
@@ -109,6 +110,8 @@ urlpatterns = [
     path("api/estimate-accuracy", model_api.EstimateAccuracyView.as_view()),
     path("api/keys", keys_api.as_view(_LIST_CREATE)),
     path("api/keys/<int:key_id>", keys_api.as_view({"patch": "partial_update"} | _DELETE)),
+    path("api/audit", audit_api.AuditList.as_view()),
+    path("api/audit.csv", audit_api.AuditCsv.as_view()),
     path("api/usage", usage_api.UsageSummary.as_view()),
     path("api/usage.csv", usage_api.UsageCsv.as_view()),
     path("api/backups", backup_api.BackupsView.as_view()),

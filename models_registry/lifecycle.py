@@ -31,7 +31,7 @@ from models_registry import admission, llamacpp, vllm
 from models_registry.estimate import GIB, EstimateError
 from models_registry.models import MemorySample, ModelDefinition, Placement
 from models_registry.services import get_model
-from nodes import fencing
+from nodes import audit, fencing
 from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.models import Node
@@ -413,6 +413,7 @@ def start_model(
     instances = [_launch(p, spec) for p, spec in specs]
     ModelDefinition.objects.filter(pk=model.pk).update(desired_state="running", auto_start_note="")
     log.info("Start of model %s sent to %d node(s)", model.served_name, len(placements))
+    _audit("model.started", model, placements, force=force)
     return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
 
 
@@ -428,6 +429,13 @@ def _stop(placement: Placement) -> dict[str, Any] | None:
         raise agent_error(placement.node, exc) from exc
 
 
+def _audit(action: str, model: ModelDefinition, placements: list[Placement], **detail: Any) -> None:
+    """One audit event per node the command reached (the node page lists its own)."""
+    for placement in placements:
+        audit.record(action, node_id=placement.node.node_id, subject=model.served_name,
+                     modelId=model.pk, **detail)  # fmt: skip
+
+
 def stop_model(model_id: int, *, node_id: str | None = None) -> dict[str, Any]:
     """Stop every replica; a node that cannot be reached is a 503, nothing is assumed."""
     model = get_model(model_id)
@@ -435,6 +443,7 @@ def stop_model(model_id: int, *, node_id: str | None = None) -> dict[str, Any]:
     instances = [i for i in (_stop(p) for p in placements) if i is not None]
     if node_id is None:
         ModelDefinition.objects.filter(pk=model.pk).update(desired_state="stopped")
+    _audit("model.stopped", model, placements)
     return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
 
 
@@ -457,6 +466,7 @@ def restart_model(
     for placement in placements:
         instances.append(_launch(placement, _prepare(model, placement, force=force)))
     ModelDefinition.objects.filter(pk=model.pk).update(desired_state="running", auto_start_note="")
+    _audit("model.restarted", model, placements, force=force)
     return {"modelId": model.pk, "servedName": model.served_name, "instances": instances}
 
 

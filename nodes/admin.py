@@ -229,9 +229,9 @@ class CertRotationAdmin(_ReadOnly):
 
 @admin.register(AuditEvent)
 class AuditEventAdmin(_ReadOnly):
-    list_display = ("at", "actor", "action", "node_id", "subject")
+    list_display = ("at", "actor", "source", "action", "node_id", "subject")
     list_filter = ("action", "actor")
-    search_fields = ("node_id", "subject", "actor", "action")
+    search_fields = ("node_id", "subject", "actor", "action", "source")
     date_hierarchy = "at"
 
 

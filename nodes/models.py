@@ -165,10 +165,12 @@ class CertRotation(models.Model):
 
 class AuditEvent(models.Model):
     """One thing done to the fleet that an operator may need to account for later
-    (nodes/audit.py writes them; the Django admin lists them, read-only)."""
+    (nodes/audit.py writes them; the console's Audit page, /api/audit and the Django
+    admin list them, read-only; kept ``MIRBAD_AUDIT_KEEP_DAYS``)."""
 
     at = models.DateTimeField(auto_now_add=True, db_index=True)
-    actor = models.CharField(max_length=150)  # "system", a user name, "beat"
+    actor = models.CharField(max_length=150)  # "system", a user name, "key mbd-AbC… (#3)"
+    source = models.CharField(max_length=64, blank=True)  # the peer address, or "local"
     action = models.CharField(max_length=60)  # e.g. rotation.stage, rotation.committed
     node_id = models.CharField(max_length=40, blank=True, db_index=True)
     subject = models.CharField(max_length=60, blank=True)  # e.g. the rotation id

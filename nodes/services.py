@@ -377,6 +377,8 @@ def _issue_token(node_id: str, purpose: str, lifetime_minutes: object) -> dict[s
         "--state-dir /var/lib/mirbad-agent --address https://<this machine>:9443"
     )
     log.info("Created a %s token for node %s (expires %s)", purpose, node_id, expires.isoformat())
+    # The token itself never goes in: only that one was issued, for what, until when.
+    audit.record(f"node.{purpose!s}_token_issued", node_id=node_id, expiresAt=expires.isoformat())
     return {
         "nodeId": node_id,
         "token": token,
@@ -398,6 +400,7 @@ def approve_node(node_id: str) -> Node:
         node.approved = True
         node.save(update_fields=["approved", "updated_at"])
         log.info("Approved node %s (key SHA256:%s)", node_id, node.spki_pin)
+        audit.record("node.approved", node_id=node_id, keyPin=node.spki_pin)
         events.tell_monitor(node_id)
     return node
 
@@ -416,6 +419,7 @@ def revoke_node(node_id: str) -> Node:
     JoinToken.objects.filter(node_id=node_id, used_at__isnull=True).delete()
     events.tell_monitor(node_id)
     log.warning("Revoked node %s", node_id)
+    audit.record("node.revoked", node_id=node_id)
     return node
 
 

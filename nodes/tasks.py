@@ -35,3 +35,11 @@ def check_certificates() -> dict[str, int]:
     from nodes import rotation
 
     return rotation.check_certificates()
+
+
+@shared_task(name="nodes.tasks.prune_audit_log", ignore_result=True)
+def prune_audit_log() -> int:
+    """Beat (hourly): drop audit events older than MIRBAD_AUDIT_KEEP_DAYS."""
+    from nodes import audit
+
+    return audit.prune(keep_days=services.config().audit_keep_days)

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from nodes import audit
 from router.models import LIMIT_FIELDS, SCOPES, ApiKey
 
 KEY_PREFIX = "mbd-"
@@ -105,6 +106,9 @@ def create_key(
         scopes=sorted(set(scopes)),
         **fields,
     )
+    # The key itself is returned once and never stored, here least of all.
+    audit.record("apikey.created", subject=row.prefix, keyId=row.pk, name=row.name,
+                 scopes=row.scopes)  # fmt: skip
     return row, key
 
 
@@ -164,6 +168,7 @@ def revoke_key(key_id: int) -> ApiKey:
         row.revoked_at = timezone.now()
         # save(), not a queryset update: post_save tells every router to drop its cache.
         row.save(update_fields=["revoked_at"])
+        audit.record("apikey.revoked", subject=row.prefix, keyId=row.pk, name=row.name)
     return row
 
 

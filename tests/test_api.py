@@ -52,6 +52,8 @@ ENDPOINTS = [
     ("post", "/api/keys"),
     ("patch", "/api/keys/1"),
     ("delete", "/api/keys/1"),
+    ("get", "/api/audit"),
+    ("get", "/api/audit.csv"),
     ("get", "/api/usage"),
     ("get", "/api/usage.csv"),
     ("get", "/api/backups"),

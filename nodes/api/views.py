@@ -18,8 +18,8 @@ from rest_framework.response import Response
 
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
+from nodes import audit, rotation, services, status_cache
 from nodes import operations as master_operations
-from nodes import rotation, services, status_cache
 from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.api.serializers import (
@@ -159,7 +159,7 @@ class NodeViewSet(viewsets.GenericViewSet):
     )
     @action(detail=True, methods=["post"])
     def rotate(self, request: Request, node_id: str) -> Response:
-        opened = rotation.rotate_now(node_id, actor=str(request.user))
+        opened = rotation.rotate_now(node_id, actor=audit.current_origin().actor)
         return Response(RotationSerializer(opened).data, status=202)
 
     @extend_schema(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from django.core.handlers.asgi import ASGIRequest
@@ -10,11 +9,10 @@ from django.http import StreamingHttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
 from rest_framework.generics import GenericAPIView
-from rest_framework.negotiation import DefaultContentNegotiation
-from rest_framework.renderers import BaseRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from core.api_negotiation import AnyAccept
 from core.api_serializers import errors
 from router import usage
 from router.api.serializers import UsageRowSerializer, UsageSummarySerializer
@@ -64,19 +62,9 @@ class UsageSummary(GenericAPIView[Any]):
         )
 
 
-class _AnyAccept(DefaultContentNegotiation):
-    """A CSV download is asked for with any Accept; errors still come back as JSON."""
-
-    def select_renderer(
-        self, request: Request, renderers: Iterable[BaseRenderer], format_suffix: str | None = None
-    ) -> tuple[BaseRenderer, str]:
-        first = next(iter(renderers))
-        return first, first.media_type
-
-
 @extend_schema(tags=["usage"])
 class UsageCsv(GenericAPIView[Any]):
-    content_negotiation_class = _AnyAccept
+    content_negotiation_class = AnyAccept
 
     @extend_schema(
         parameters=_RANGE,

@@ -23,6 +23,7 @@ from backups.models import RestoreStep
 from backups.reader import MAX_DOCUMENT_BYTES, BackupInvalid, parse
 from core.envconf import SettingError, env_secret
 from core.errors import ServiceError
+from nodes import audit
 
 
 def _passphrase(path: str | None) -> str | None:
@@ -49,6 +50,10 @@ class Command(BaseCommand):
         parser.add_argument("--models", help="Comma-separated served names to restore")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        with audit.acting_as("manage.py restore", "local"):
+            self._handle(**options)
+
+    def _handle(self, **options: Any) -> None:
         path = Path(options["file"])
         try:
             size = path.stat().st_size

@@ -10,11 +10,13 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from nodes import services
+from nodes import audit, services
 
 
 class Command(BaseCommand):
     help = "Fencing takeover: raise this master's epoch above every reachable agent's."
 
     def handle(self, *args: Any, **options: Any) -> None:
-        self.stdout.write(json.dumps(services.takeover(), indent=2))
+        with audit.acting_as("manage.py takeover", "local"):
+            record = services.takeover()
+        self.stdout.write(json.dumps(record, indent=2))
