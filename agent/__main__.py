@@ -3,7 +3,7 @@
     python -m agent run --config FILE
     python -m agent join --enroll-url URL --ca-hash sha256:B64 --node-id ID --state-dir DIR
                          [--address URL]... [--force]
-    python -m agent install-llama-server --runtimes-dir DIR [--cache-dir DIR]
+    python -m agent install-llama-server --runtimes-dir DIR [--cache-dir DIR] [--config FILE]
     python -m agent stop-engines --config FILE
     python -m agent version
 
@@ -62,6 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     install = sub.add_parser("install-llama-server", help="build and lay out llama-server")
     install.add_argument("--runtimes-dir", required=True, type=Path)
     install.add_argument("--cache-dir", type=Path, default=None)
+    install.add_argument(
+        "--config",
+        default=None,
+        help="the agent's JSON config file, for ArchiveMaxMembers and ArchiveMaxBytes "
+        "(their defaults without it)",
+    )
 
     leftovers = sub.add_parser(
         "stop-engines",
@@ -133,7 +139,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 def _cmd_install(args: argparse.Namespace) -> int:
     try:
-        entry = install_llama_server(runtimes_dir=args.runtimes_dir, cache_dir=args.cache_dir)
+        config = load_config(args.config) if args.config else None
+        entry = install_llama_server(
+            runtimes_dir=args.runtimes_dir, cache_dir=args.cache_dir, config=config
+        )
     except AgentError as exc:
         print(f"agent: install-llama-server: {exc}", file=sys.stderr)
         return 1

@@ -43,6 +43,8 @@ __all__ = [
 ENV_PREFIX = "MIRBAD_AGENT_"
 _EXECUTABLE_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+ARCHIVE_MAX_MEMBERS = 50_000
+ARCHIVE_MAX_BYTES = 2 * 1024**3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +97,15 @@ class AgentConfig:
     allow_tag_pulls: bool = False
     gpus_expected: bool = False
     log_level: str = "INFO"
+    # Logs that do not fill the disk (docs/agent.md, "Logs and disk space"): the agent's
+    # own file when LogFile is set, and each engine's output file, capped while it runs.
+    log_file: Path | None = None
+    log_max_bytes: int = 32 * 1024 * 1024
+    log_files: int = 3
+    engine_log_max_bytes: int = 32 * 1024 * 1024
+    engine_log_files: int = 2
+    # Free space a download leaves on the models disk (refused up front otherwise).
+    download_reserve_bytes: int = 1024**3
     # Extra environment variables this node's operator lets a launch set for its
     # engines, beyond the engine's own allow-list (protocol.engine_flags).
     engine_env_allow: tuple[str, ...] = ()
@@ -104,6 +115,11 @@ class AgentConfig:
     http_head_timeout_seconds: float = HttpLimits.head_timeout_seconds
     http_body_idle_timeout_seconds: float = HttpLimits.body_idle_timeout_seconds
     http_max_connections: int = HttpLimits.max_connections
+    # What one archive the agent unpacks (an engine's source build) may hold
+    # (agent/engines/_archives.py; docs/agent.md). The llama.cpp source has ~4,100
+    # members and ~180 MB: both defaults leave about ten times that.
+    archive_max_members: int = ARCHIVE_MAX_MEMBERS
+    archive_max_bytes: int = ARCHIVE_MAX_BYTES
     config_file: Path | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -488,12 +504,20 @@ _FIELDS: dict[str, tuple[str, Callable[[Any, _Source], Any]]] = {
     "AllowTagPulls": ("allow_tag_pulls", _bool),
     "GpusExpected": ("gpus_expected", _bool),
     "LogLevel": ("log_level", _log_level),
+    "LogFile": ("log_file", _optional_path),
+    "LogMaxBytes": ("log_max_bytes", _int(64 * 1024, 2**40)),
+    "LogFiles": ("log_files", _int(1, 100)),
+    "EngineLogMaxBytes": ("engine_log_max_bytes", _int(64 * 1024, 2**40)),
+    "EngineLogFiles": ("engine_log_files", _int(0, 100)),
+    "DownloadReserveBytes": ("download_reserve_bytes", _int(0, 2**50)),
     "EngineEnvAllow": ("engine_env_allow", _engine_env_allow),
     "HttpMaxHeadBytes": ("http_max_head_bytes", _int(1024, 16 * 1024 * 1024)),
     "HttpMaxHeaders": ("http_max_headers", _int(8, 10_000)),
     "HttpHeadTimeoutSeconds": ("http_head_timeout_seconds", _seconds(allow_zero=False)),
     "HttpBodyIdleTimeoutSeconds": ("http_body_idle_timeout_seconds", _seconds(allow_zero=False)),
     "HttpMaxConnections": ("http_max_connections", _int(1, 1_000_000)),
+    "ArchiveMaxMembers": ("archive_max_members", _int(1, 10_000_000)),
+    "ArchiveMaxBytes": ("archive_max_bytes", _int(1024**2, 2**40)),
 }
 _REQUIRED = ("StateDirectory",)
 

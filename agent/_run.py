@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import gc
 import logging
+import logging.handlers
 import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from agent._config import AgentConfig
 from agent._errors import AgentError
@@ -16,17 +18,52 @@ from agent.http import AgentServer
 from agent.identity import Identity, bootstrap_enroll, ensure_state_directory
 from agent.telemetry import install_agent_log
 
-__all__ = ["configure_logging", "run_agent", "serve"]
+__all__ = ["CappedFileHandler", "configure_logging", "run_agent", "serve"]
 
 log = logging.getLogger("mirbad.agent")
 
 
-def configure_logging(level: str) -> None:
-    """One line per record on stderr (journald and Docker collect it from there)."""
+class CappedFileHandler(logging.handlers.RotatingFileHandler):
+    """The agent's log file (LogFile): rotated at LogMaxBytes, LogFiles old ones kept.
+
+    A record that cannot be written (a full disk) is dropped; stderr gets one line per
+    streak of failures instead of a traceback per record, and the agent carries on.
+    """
+
+    def __init__(self, path: Path, *, max_bytes: int, files: int) -> None:
+        super().__init__(path, maxBytes=max_bytes, backupCount=files, encoding="utf-8")
+        self.failing = False
+        self._written = True
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._written = True
+        super().emit(record)  # calls handleError when the write failed
+        if self._written and self.failing:
+            self.failing = False
+            print(f"agent: the log file {self.baseFilename} is written again", file=sys.stderr)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._written = False
+        if not self.failing:
+            self.failing = True
+            error = sys.exc_info()[1]
+            print(f"agent: cannot write the log file {self.baseFilename}: {error}", file=sys.stderr)
+
+
+def configure_logging(level: str, config: AgentConfig | None = None) -> None:
+    """One line per record on stderr (journald and Docker collect it from there), or in
+    ``config.log_file``, rotated, when it is set (docs/agent.md, "Logs and disk space")."""
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    handler = logging.StreamHandler(sys.stderr)
+    handler: logging.Handler = logging.StreamHandler(sys.stderr)
+    if config is not None and config.log_file is not None:
+        config.log_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        handler = CappedFileHandler(
+            config.log_file, max_bytes=config.log_max_bytes, files=config.log_files
+        )
     handler.setFormatter(formatter)
     root = logging.getLogger("mirbad")
+    for old in root.handlers:
+        old.close()
     root.handlers[:] = [handler]
     root.setLevel(level)
     root.propagate = False
@@ -67,7 +104,11 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run_agent(config: AgentConfig) -> int:
     """``python -m agent run``: returns the process exit code."""
-    configure_logging(config.log_level)
+    try:
+        configure_logging(config.log_level, config)
+    except OSError as exc:
+        print(f"agent: LogFile {config.log_file}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     try:
         ensure_state_directory(config.state_directory)
         identity = bootstrap_enroll(config)

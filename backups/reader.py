@@ -21,7 +21,7 @@ from backups import crypto
 from backups.document import FORMAT, READABLE_VERSIONS
 from models_registry.services import RUNTIMES
 from protocol.engine_flags import DELIVERIES
-from protocol.names import NODE_ID_RE, NameRefused, check_folder_name
+from protocol.names import NODE_ID_RE, NameRefused, check_file_name, check_folder_name
 from router.models import SCOPES
 
 MAX_DOCUMENT_BYTES = 64 * 1024 * 1024
@@ -183,7 +183,7 @@ def _model(version: int) -> Callable[[Any, str], dict[str, Any]]:
             "source": {
                 "folder": folder,
                 # Empty for vLLM, which reads the whole folder.
-                "file": _str(_get(source, "file"), f"{path}.source.file", max_len=255),
+                "file": _source_file(_get(source, "file"), f"{path}.source.file"),
             },
             "settings": _obj(_get(m, "settings", {}), f"{path}.settings"),
             "executableVersion": _str(_get(m, "executableVersion", ""), f"{path}.executableVersion", max_len=60),
@@ -267,6 +267,17 @@ def _ca(value: Any, path: str) -> dict[str, str]:
     if "PRIVATE KEY" not in key:
         raise BackupInvalid(f"{path}.keyPem", "is not a PEM private key")
     return {"certPem": cert, "keyPem": key}
+
+
+def _source_file(value: Any, path: str) -> str:
+    """A model's file: empty (vLLM's whole folder) or one plain name (protocol.names)."""
+    name = _str(value, path, max_len=255)
+    if name:
+        try:
+            check_file_name(name, "the file")
+        except NameRefused as exc:
+            raise BackupInvalid(path, str(exc)) from None
+    return name
 
 
 def _file(value: Any, path: str) -> dict[str, Any]:

@@ -360,7 +360,10 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
 @operator_required
 @require_POST
 def takeover(request: HttpRequest) -> HttpResponse:
-    services.takeover()
+    try:
+        services.takeover()
+    except ServiceError as exc:
+        messages.error(request, exc.message)
     return redirect("overview")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from rest_framework import exceptions, status
@@ -9,6 +10,9 @@ from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_handler
 
 from core.errors import ServiceError
+from protocol.atomic import AtomicWriteError
+
+log = logging.getLogger("mirbad.api")
 
 _CODES = {
     status.HTTP_400_BAD_REQUEST: "invalid_request",
@@ -39,6 +43,10 @@ def _flatten(detail: Any, prefix: str = "") -> list[str]:
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ServiceError):
         return Response(exc.as_json(), status=exc.status)
+    if isinstance(exc, AtomicWriteError):
+        # A state file could not be written (EIO, disk full): name it, never a bare 500.
+        log.error("%s", exc)
+        return Response({"error": {"code": "state_unavailable", "message": str(exc)}}, status=503)
     response = drf_handler(exc, context)
     if response is None:
         return None

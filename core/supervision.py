@@ -4,7 +4,9 @@ Django-free: the launcher imports it before Django is set up. A child that
 exits while ``up`` runs is started again after a back-off (1 s doubling to
 30 s; a child that stayed up 60 s starts again at 1 s). Every restart is
 recorded in ``<data>/run/supervision.json``, written atomically, which the
-console's overview turns into one line per restarted process.
+console's overview turns into one line per restarted process. A child's output
+goes to ``<data>/logs/<name>.log`` (O_APPEND), which the launcher caps while it
+runs (:meth:`Child.cap_log`, protocol/logcap.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from protocol.atomic import write_atomic
+from protocol.logcap import Capped, LogLimits, copy_truncate
 
 BACKOFF_START = 1.0
 BACKOFF_MAX = 30.0
@@ -196,6 +199,23 @@ class Child:
             with contextlib.suppress(OSError):
                 self.log.write(f"mirbad: {line}\n".encode())
                 self.log.flush()
+
+    def cap_log(self, limits: LogLimits) -> Capped | str | None:
+        """Copy-truncate the log past ``limits``: what was done, an error text, or None.
+
+        The child writes through its own O_APPEND descriptor, so it goes on at the new
+        end; a line in the log says where the earlier lines went.
+        """
+        try:
+            done = copy_truncate(self.log_path, limits)
+        except OSError as exc:
+            return f"{self.log_path}: {exc.strerror or exc}"
+        if done is None:
+            return None
+        self.log_offset = 0
+        kept = f"earlier lines are in {done.rotated.name}" if done.rotated else done.reason
+        self.log_line(f"the log passed {limits.max_bytes} bytes and was cut; {kept or 'not kept'}")
+        return done
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -35,9 +35,11 @@ from core.config import MasterConfig, env_for_children, load_master_config
 from core.envconf import SettingError
 from mirbad_site import stack_lock
 from protocol.atomic import write_atomic
+from protocol.logcap import LogLimits
 
 ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT = 120.0
+LOG_CHECK_SECONDS = 2.0
 
 
 class LaunchError(Exception):
@@ -63,6 +65,7 @@ class Launcher:
         self.env["PYTHONUNBUFFERED"] = "1"
         self.agent_dir = config.data_path / "agent"
         self._lock_fd: int | None = None
+        self._cap_errors: dict[str, str] = {}
 
     # -- steps -------------------------------------------------------------------------
 
@@ -477,13 +480,30 @@ class Launcher:
             child.process.wait(timeout=5)
 
     def supervise(self) -> None:
-        """Until Ctrl-C or SIGTERM: start again, after a back-off, whatever exits."""
+        """Until Ctrl-C or SIGTERM: start again, after a back-off, whatever exits; and
+        keep every child's log under MIRBAD_LOG_MAX_BYTES (checked every 2 s)."""
+        next_cap = 0.0
         while not self.stopping:
             for child in self.children:
                 if self.stopping:
                     break
                 self._supervise_one(child)
+            if time.monotonic() >= next_cap:
+                self.cap_logs()
+                next_cap = time.monotonic() + LOG_CHECK_SECONDS
             time.sleep(0.25)
+
+    def cap_logs(self) -> None:
+        """Copy-truncate each child's log past the limit; a failure is printed once."""
+        limits = LogLimits(max_bytes=self.config.log_max_bytes, files=self.config.log_files)
+        for child in self.children:
+            outcome = child.cap_log(limits)
+            if isinstance(outcome, str):
+                if self._cap_errors.get(child.name) != outcome:
+                    note(f"could not cap the log of {child.name}: {outcome}")
+                self._cap_errors[child.name] = outcome
+            else:
+                self._cap_errors.pop(child.name, None)
 
     def _supervise_one(self, child: supervision.Child) -> None:
         now = time.monotonic()

@@ -4,7 +4,8 @@ PostgreSQL refuses a NUL (``\\x00``) in every text value, so a search box, an ad
 filter or a form field holding one would reach the database and fail there (a 500,
 or a page that differs between SQLite and PostgreSQL). No field of ours takes one;
 refusing it once, here, covers every page. JSON bodies are checked by
-``core.jsoninput.is_text`` where they are parsed.
+``core.jsoninput.is_text`` where they are parsed. Under /api the refusals are the
+``{"error": {...}}`` JSON of every /api error (mirbad_site.api_pages).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest
+
+from mirbad_site.api_pages import api_error, is_api
 
 __all__ = ["RejectNulMiddleware"]
 
@@ -27,17 +30,18 @@ def _first_nul(params: object) -> str | None:
     return None
 
 
-def _too_big() -> HttpResponse:
+def _too_big(request: HttpRequest) -> HttpResponse:
     """413 with the limit, not Django's bare "Bad Request": a form (or an uploaded
     backup) over DATA_UPLOAD_MAX_MEMORY_SIZE is refused before anything reads it."""
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-    return HttpResponse(
+    message = (
         f"The form is larger than {limit} bytes, the most the console accepts before "
         "logging in is checked. A larger backup file is restored on the master host "
-        'with: python manage.py restore FILE (docs/operator-guide.md, "Restore").',
-        status=413,
-        content_type="text/plain; charset=utf-8",
+        'with: python manage.py restore FILE (docs/operator-guide.md, "Restore").'
     )
+    if is_api(request):
+        return api_error(413, "too_large", message)
+    return HttpResponse(message, status=413, content_type="text/plain; charset=utf-8")
 
 
 class RejectNulMiddleware:
@@ -56,12 +60,14 @@ class RejectNulMiddleware:
             try:
                 request.body  # noqa: B018
             except RequestDataTooBig:
-                return _too_big()
+                return _too_big(request)
             where, bad = "form", _first_nul(request.POST)
         if bad is not None:
-            return HttpResponseBadRequest(
+            message = (
                 f"The {where} parameter '{bad}' holds a NUL character (\\x00); "
-                "remove it and try again.",
-                content_type="text/plain; charset=utf-8",
+                "remove it and try again."
             )
+            if is_api(request):
+                return api_error(400, "invalid_request", message)
+            return HttpResponseBadRequest(message, content_type="text/plain; charset=utf-8")
         return self.get_response(request)

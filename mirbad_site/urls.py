@@ -117,3 +117,7 @@ urlpatterns = [
     path("api/backups", backup_api.BackupsView.as_view()),
     path("api/backups/download/<str:token>", backup_api.BackupDownloadView.as_view()),
 ]
+
+# Under /api, Django's own 404 and 500 answer the {"error": {...}} JSON too.
+handler404 = "mirbad_site.api_pages.page_not_found"
+handler500 = "mirbad_site.api_pages.server_error"

@@ -5,8 +5,12 @@ from __future__ import annotations
 from django.core.validators import RegexValidator
 from django.db import models
 
+from protocol.names import FOLDER_PATTERN
+
+# The characters only (a migration holds the pattern); the services apply the whole rule,
+# protocol.names.check_folder_name, before anything is saved.
 folder_validator = RegexValidator(
-    r"^[A-Za-z0-9._-]{1,200}$", "Folder names use letters, digits, '.', '_' and '-' (max 200)."
+    FOLDER_PATTERN, "Folder names use letters, digits, '.', '_' and '-' (max 200)."
 )
 
 

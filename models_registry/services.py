@@ -19,19 +19,18 @@ from core.errors import ServiceError
 from models_registry import llamacpp, vllm
 from models_registry.models import ModelDefinition, Placement
 from nodes import status as node_status
-from nodes.agent_client import check_folder
 from nodes.events import ModelSummary
 from nodes.models import Node
 from nodes.status_cache import NodeStatus
 from protocol.engine_flags import DELIVERIES
 from protocol.images import ImageRefused, parse_image
+from protocol.names import FOLDER_MAX, path_name_problem
 from protocol.states import InstanceState
 
 log = logging.getLogger("mirbad.models")
 T = TypeVar("T")
 
 SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,199}$")
-FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 
 
 def _invalid(field: str, message: str) -> ServiceError:
@@ -62,10 +61,12 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
     cleaned["runtime"] = runtime
     cleaned["delivery"], cleaned["image"] = clean_delivery(data, runtime, instance)
     folder = data.get("source_folder", instance.source_folder if instance else None)
-    try:
-        check_folder(folder, "source_folder")  # the agent's own rule, not a copy
-    except ServiceError:
-        raise _invalid("source_folder", "use 1-200 letters, digits, '.', '_' or '-'") from None
+    problem = path_name_problem(folder, FOLDER_MAX)  # the agent's own rule, not a copy
+    if problem is not None:
+        shown = f"{folder!r} " if isinstance(folder, str) and len(folder) <= 80 else ""
+        raise _invalid(
+            "source_folder", f"use 1-200 letters, digits, '.', '_' or '-' ({shown}{problem})"
+        )
     cleaned["source_folder"] = folder
     cleaned["source_file"] = clean_model_file(
         runtime, data.get("source_file", instance.source_file if instance else None)
@@ -142,10 +143,15 @@ def _typed_settings(parse: Callable[[dict[str, Any]], T], raw: Any, code: str) -
 
 
 def clean_source_file(file: Any) -> str:
-    """A .gguf file name inside the model folder (no path), else 400 naming source_file."""
-    if not isinstance(file, str) or not FILE_NAME.fullmatch(file) or not file.endswith(".gguf"):
-        raise _invalid("source_file", "name a .gguf file inside the folder (no path)")
-    return file
+    """A .gguf file name inside the model folder (no path), else 400 naming source_file.
+
+    The name follows the agent's own rule (protocol.names.path_name_problem).
+    """
+    problem = path_name_problem(file)
+    if problem is not None or not file.endswith(".gguf"):
+        why = f" ({file!r} {problem})" if problem and isinstance(file, str) else ""
+        raise _invalid("source_file", "name a .gguf file inside the folder (no path)" + why)
+    return str(file)
 
 
 def clean_settings(raw: Any) -> llamacpp.LlamaCppSettings:

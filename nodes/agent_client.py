@@ -25,7 +25,7 @@ from core.errors import ServiceError
 from nodes import fencing
 from nodes.models import Node
 from nodes.services import master_pki, node_ssl_context
-from protocol.names import NameRefused, check_folder_name
+from protocol.names import NameRefused, check_file_name, check_folder_name
 
 
 class AgentError(Exception):
@@ -62,6 +62,18 @@ def check_folder(folder: object, field: str = "folder") -> str:
     try:
         # The agent's message starts with what it is given; the master's say "field: ...".
         return check_folder_name(folder, f"{field}:")
+    except NameRefused as exc:
+        raise ServiceError(400, "invalid_request", str(exc), details={"field": field}) from None
+
+
+def check_file(file: object, field: str = "file") -> str:
+    """``file`` if the agent takes it as a file of a model folder, else a 400 naming ``field``.
+
+    The agent's own rule (``protocol.names.check_file_name``): one plain name, the same on
+    every platform (no separator, drive, stream or Windows device name).
+    """
+    try:
+        return check_file_name(file, f"{field}:")
     except NameRefused as exc:
         raise ServiceError(400, "invalid_request", str(exc), details={"field": field}) from None
 

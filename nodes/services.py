@@ -509,9 +509,6 @@ def takeover() -> dict[str, object]:
         "epoch": identity.epoch,
         "nodes": seen,
     }
-    write_atomic(
-        cfg.data_path / "takeover.json", json.dumps(record, indent=2).encode(), parents=True
-    )
     log.warning(
         "Takeover: epoch %s -> %d (nodes: %s)", record["previousEpoch"], identity.epoch, seen
     )
@@ -519,6 +516,16 @@ def takeover() -> dict[str, object]:
         "master.takeover", previousEpoch=record["previousEpoch"], epoch=identity.epoch,
         nodes=seen,
     )  # fmt: skip
+    # The file last: the epoch has moved and the audit log has it whatever the disk does.
+    try:
+        write_atomic(
+            cfg.data_path / "takeover.json", json.dumps(record, indent=2).encode(), parents=True
+        )
+    except OSError as exc:
+        raise ServiceError(
+            503, "state_unavailable",
+            f"the takeover is done (epoch {identity.epoch}, in the audit log), but {exc}",
+        ) from exc  # fmt: skip
     return record
 
 
@@ -621,9 +628,17 @@ def node_from_param(value: str | None, *, action: str) -> Node:
 
 def read_gguf(*, node_param: str | None, folder: str, file: str | None) -> dict[str, object]:
     """The header summary of a GGUF on a node (GET /api/model-folders/{folder}/gguf)."""
-    from nodes.agent_client import AgentClient, AgentRefused, AgentUnreachable, check_folder
+    from nodes.agent_client import (
+        AgentClient,
+        AgentRefused,
+        AgentUnreachable,
+        check_file,
+        check_folder,
+    )
 
     check_folder(folder)  # before any node is picked: a bad name is the caller's 400
+    if file is not None:
+        check_file(file)
     node = node_from_param(node_param, action="reading its GGUF files")
     features = (node.facts or {}).get("features") or []
     if "gguf.inspect" not in features:

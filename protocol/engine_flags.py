@@ -15,8 +15,8 @@ Both sides import it: the master checks an operator's ``extra_args`` and
 ``chat_template`` against it when a model is saved, and the agent checks the
 whole argv of every launch against it again, so a spec posted straight to the
 agent, bypassing the master's builder, meets the same rules. The module imports
-nothing of the project (a later issue moves it into a shared protocol package
-as it is); docs/operator-guide.md lists what is allowed.
+only protocol.names (the rule of a file name); docs/operator-guide.md lists what is
+allowed.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
+
+from protocol.names import path_name_problem
 
 __all__ = [
     "CONTAINER_ANY",
@@ -171,6 +173,20 @@ class Pattern:
 
     def describe(self) -> str:
         return self.text
+
+
+@dataclass(frozen=True)
+class FolderFile(Pattern):
+    """``{model}/NAME``, a file of the model's own folder: the regex gives the form, and
+    NAME must also be a safe path name (protocol.names: no Windows device name, no
+    trailing dot), the one rule every name that becomes a path follows."""
+
+    def problem(self, value: str) -> str | None:
+        found = super().problem(value)
+        if found is not None:
+            return found
+        why = path_name_problem(value.partition("/")[2])
+        return None if why is None else f"must be {self.text}: NAME {why}"
 
 
 Shape = Switch | IntRange | FloatRange | Words | Pattern
@@ -471,8 +487,9 @@ _VLLM_SYSTEM = (
          setting="reasoning_parser"),
     # vLLM reads any other value as a path to open, or as the template text itself.
     Flag(("--chat-template",),
-         Pattern(re.compile(re.escape(MODEL_PLACEHOLDER) + "/" + _VLLM_SAFE_FILE + r"\.jinja"),
-                 f"'{MODEL_PLACEHOLDER}/NAME.jinja', a file in the model folder"),
+         FolderFile(
+             re.compile(re.escape(MODEL_PLACEHOLDER) + "/" + _VLLM_SAFE_FILE + r"\.jinja"),
+             f"'{MODEL_PLACEHOLDER}/NAME.jinja', a file in the model folder"),
          why=f"the only allowed form is '{MODEL_PLACEHOLDER}/NAME.jinja', a file in the "
              "model's read-only folder (another path or a template text is refused)",
          setting="chat_template"),

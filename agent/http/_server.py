@@ -28,6 +28,7 @@ from agent._errors import (
     MethodNotAllowed,
     NotFound,
     NotSupported,
+    StateUnavailable,
 )
 from agent._util import utc_now_iso
 from agent._version import PROTOCOL_VERSIONS, __version__
@@ -69,6 +70,7 @@ from agent.telemetry import (
     probe_gpus,
 )
 from agent.weights import DownloadManager, Weights
+from protocol.atomic import AtomicWriteError
 from protocol.fencing import MASTER_HEADER, TIME_HEADER
 from protocol.http_limits import aiohttp_handler_limits
 from protocol.states import InstanceState
@@ -113,6 +115,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except ApiError as exc:
+        if isinstance(exc, StateUnavailable):  # a state file: the operator must act
+            log.error("%s %s: %s", request.method, request.path, exc.message)
         return _api_error_response(exc)
     except web.HTTPNotFound:
         return _api_error_response(NotFound(f"no such endpoint: {request.method} {request.path}"))
@@ -127,6 +131,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except (asyncio.CancelledError, ConnectionError):
         raise
+    except AtomicWriteError as exc:
+        # A state file could not be written (EIO, disk full): the file named, not a bare 500.
+        log.error("%s %s: %s", request.method, request.path, exc)
+        return _api_error_response(StateUnavailable(str(exc)))
     except Exception:
         log.exception("Unexpected error on %s %s", request.method, request.path)
         return error_response("internal_error", "unexpected agent error; see its log", 500)
@@ -188,7 +196,9 @@ class AgentServer:
         self.logs = LogBook(
             instances=lambda: [(i["instanceId"], i["state"]) for i in self.runtime.list()],
             log_path=lambda instance_id: engine_log_path(config.state_directory, instance_id),
-            cap=cap_log,
+            cap=lambda path: cap_log(
+                path, config.engine_log_max_bytes, files=config.engine_log_files
+            ),
         )
         self.proxy = Proxy(
             resolve=self._upstream,
@@ -214,6 +224,7 @@ class AgentServer:
             state_directory=config.state_directory,
             bus=self.bus,
             on_finished=self.weights.invalidate,
+            reserve_bytes=config.download_reserve_bytes,
         )
         self.weight_routes = WeightRoutes(
             models_root=config.models_root_path, weights=self.weights, downloads=self.downloads

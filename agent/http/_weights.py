@@ -9,7 +9,7 @@ from pathlib import Path
 from aiohttp import web
 
 from agent._errors import ApiError, DownloadRunning, InvalidRequest, NotFound
-from agent.engines import check_folder_name, resolve_model_path
+from agent.engines import check_folder_name, confined_path, resolve_model_path
 from agent.http._complete import complete
 from agent.http._json import read_json
 from agent.weights import DownloadManager, Weights, is_model_file, read_summary
@@ -40,8 +40,9 @@ class WeightRoutes:
         file = request.query.get("file")
         root = self._models_root
         if file is None:
-            check_folder_name(folder)
-            directory = root / folder
+            # Listed only once the folder, symlinks resolved, lies inside the root: the
+            # candidates of a folder linked elsewhere would name files outside it.
+            directory = confined_path(root, check_folder_name(folder))
             if not directory.is_dir():
                 raise NotFound(f"model folder {folder!r} does not exist on this node")
             candidates = sorted(

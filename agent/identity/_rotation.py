@@ -207,7 +207,14 @@ class RotationStore:
             "active": self.active.to_json() if self.active else None,
             "history": [r.to_json() for r in self.history[-_HISTORY:]],
         }
-        write_atomic(self.path, json.dumps(doc, indent=1).encode(), mode=0o600)
+        try:
+            write_atomic(self.path, json.dumps(doc, indent=1).encode(), mode=0o600)
+        except OSError:
+            # Back to what the file holds: no stage may run ahead of it (a commit the
+            # master read back as done but the file never got).
+            self.active, self.history = None, []
+            self._load()
+            raise
 
     def _set_stage(self, rotation: Rotation, stage: str) -> None:
         rotation.stage = stage

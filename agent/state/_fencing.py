@@ -15,6 +15,7 @@ is simply a higher epoch.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any
 
 from agent._errors import ApiError, InvalidRequest, StateUnavailable
 from protocol import fencing
-from protocol.atomic import write_atomic
+from protocol.atomic import AtomicWriteError, write_atomic
 from protocol.errors import AgentCode
 from protocol.fencing import MAX_SKEW_SECONDS, Triple
 
@@ -109,6 +110,12 @@ class Fencing:
                 )
             try:
                 write_atomic(self.path, json.dumps(triple.to_json()).encode(), mode=0o600)
+            except AtomicWriteError as exc:
+                # The floor follows the file: after the rename (a failed directory fsync)
+                # it holds the new triple, which a restart would read.
+                with contextlib.suppress(StateUnavailable):
+                    self.accepted = self._load()
+                raise StateUnavailable(str(exc)) from exc  # it names the file and the step
             except OSError as exc:
                 raise StateUnavailable(f"cannot persist {self.path}: {exc}") from exc
             self.accepted = triple

@@ -9,6 +9,14 @@ the mutation runs and closed with its answer afterwards, so:
 - after a restart, operations left open are closed from what the state files
   show: a launch whose instance exists succeeded, a stop whose instance is
   stopped or gone succeeded, anything else failed. Nothing is replayed.
+
+The file is rewritten whole through ``write_atomic`` (docs/decisions.md D15), so a
+kill mid-save leaves the previous log: the record being written is lost, and for a
+``begin`` the mutation it announced never ran. Loading and reconciling are
+idempotent: a second pass over the same files closes nothing more
+(tests/agent/test_oplog_replay.py). A save that fails refuses a ``begin`` (503
+state_unavailable, the mutation not run) but not a ``close``: the mutation has
+happened, so its answer goes out and the record is persisted with the next save.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from agent._errors import Conflict, InvalidRequest, OperationUnknown, StateUnavailable
-from protocol.atomic import write_atomic
+from protocol.atomic import AtomicWriteError, write_atomic
 
 log = logging.getLogger("mirbad.agent.oplog")
 
@@ -105,6 +113,8 @@ class OperationLog:
         self.operations = {op["id"]: op for op in ops}
         try:
             write_atomic(self.path, json.dumps({"operations": ops}).encode(), mode=0o600)
+        except AtomicWriteError as exc:
+            raise StateUnavailable(str(exc)) from exc  # it names the file and the step
         except OSError as exc:
             raise StateUnavailable(f"cannot persist {self.path}: {exc}") from exc
 
@@ -147,7 +157,12 @@ class OperationLog:
                 "state": "open",
                 "openedAt": _now(),
             }
-            await asyncio.to_thread(self._save)
+            try:
+                await asyncio.to_thread(self._save)
+            except StateUnavailable:
+                # Not recorded, so not run: a retry under this id must not find it open.
+                del self.operations[op_id]
+                raise
             return None
 
     async def close(self, op_id: str, *, status: int, body: bytes | None) -> None:
@@ -159,7 +174,12 @@ class OperationLog:
             op["status"] = status
             op["body"] = redact_body(body)[:65536]
             op["closedAt"] = _now()
-            await asyncio.to_thread(self._save)
+            try:
+                await asyncio.to_thread(self._save)
+            except StateUnavailable as exc:
+                # The mutation ran: its answer stands (a repeat gets it from memory), and
+                # the next save or a restart's reconcile records it.
+                log.error("Operation %s is closed but not saved: %s", op_id, exc.message)
 
     def open_operations(self, limit: int = 50) -> list[dict[str, Any]]:
         """The operations not yet ended, oldest first (the heartbeat and /status carry

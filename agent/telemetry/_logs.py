@@ -8,9 +8,11 @@ each kept in memory (docs/decisions.md D62).
   formatted as on stderr) into :data:`AGENT_LOG`; ``agent._run.configure_logging``
   installs it.
 - :class:`FileTail` follows an engine's log file: the engine writes it directly
-  (opened O_APPEND), and each poll reads the bytes added since the last one. A file
-  that shrank was capped (copy-truncated) and is read again from its start; a file
-  with another inode was rotated at a restart and is read from its start too.
+  (opened O_APPEND), and each poll reads the bytes added since the last one, then caps
+  the file (``cap``: copy-truncate, protocol/logcap.py). The bytes the engine wrote
+  between that read and the cut are read from the copy, ``<name>.1``, so a cap loses
+  no line. A file that shrank otherwise (capped by someone else) is read again from
+  its start; a file with another inode was replaced and is read from its start too.
 - :class:`LogBook` is what the HTTP handlers use: the list of logs, and ``read``,
   which checks the query parameters and answers ``{"name", "lines", "next"}``.
 """
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from agent._errors import InvalidRequest, NotFound
+from protocol.logcap import Capped
 
 __all__ = [
     "AGENT_LOG",
@@ -174,11 +177,12 @@ class FileTail:
     """Follows one file an engine appends to, feeding its lines into ``ring``.
 
     ``cap`` runs after each read (``agent.engines.cap_log``): when it truncated the file,
-    the next read starts at the file's new beginning. Not thread-safe: one poll at a time.
+    what was written since the read comes from the copy, and the next read starts at the
+    file's new beginning. Not thread-safe: one poll at a time.
     """
 
     def __init__(
-        self, path: Path, ring: LogRing, *, cap: Callable[[Path], bool] | None = None
+        self, path: Path, ring: LogRing, *, cap: Callable[[Path], Capped | None] | None = None
     ) -> None:
         self.path = path
         self.ring = ring
@@ -199,8 +203,39 @@ class FileTail:
             log.warning("Cannot read the engine log %s: %s", self.path, exc)
             return
         self.ring.extend(lines)
-        if self._cap is not None and self._cap(self.path):
-            self._offset = 0
+        capped = self._cap(self.path) if self._cap is not None else None
+        if capped is not None:
+            self.ring.extend(self._after_cap(capped))
+
+    def _after_cap(self, capped: Capped) -> list[str]:
+        """The lines written between the last read and the cut, from the copy."""
+        offset = self._offset or 0
+        self._offset = 0  # the file starts again; a line cut in two goes on in it
+        if offset >= capped.end:
+            return []
+        first = max(offset, capped.start, capped.end - MAX_READ_BYTES)
+        data = b""
+        if capped.rotated is not None:
+            try:
+                with open(capped.rotated, "rb") as copy:
+                    copy.seek(first - capped.start)
+                    data = copy.read(capped.end - first)
+            except OSError as exc:
+                log.warning("Cannot read the engine log copy %s: %s", capped.rotated, exc)
+        if not data:
+            return [self._dropped(capped.end - offset, capped)]
+        lines = [self._dropped(first - offset, capped)] if first > offset else []
+        chunks = (self._partial + data).split(b"\n")
+        self._partial = chunks.pop()
+        lines.extend(c.decode("utf-8", "replace").rstrip("\r") for c in chunks)
+        if first + len(data) < capped.end:
+            lines.append(self._dropped(capped.end - first - len(data), capped))
+        return lines
+
+    def _dropped(self, count: int, capped: Capped) -> str:
+        self._partial = b""
+        why = capped.reason or "more than a poll reads, or no copy is kept"
+        return f"[agent: {count} bytes of this log were skipped when it was capped: {why}]"
 
     def _read(self, handle: Any, size: int, inode: int) -> list[str]:
         lines: list[str] = []
@@ -264,7 +299,7 @@ class LogBook:
         *,
         instances: Callable[[], list[tuple[str, str]]],
         log_path: Callable[[str], Path],
-        cap: Callable[[Path], bool] | None = None,
+        cap: Callable[[Path], Capped | None] | None = None,
         agent_ring: LogRing = AGENT_LOG,
         poll_interval: float = 0.5,
     ) -> None:

@@ -13,6 +13,13 @@ the layout in the models root and ``{StateDirectory}/downloads.json``. The hub s
 and why the bytes move through aiohttp rather than ``hf_hub_download``, is in
 :mod:`agent.weights._hubfetch`; the records are in :mod:`agent.weights._download_state`.
 
+Disk space: a download is refused up front (409 ``insufficient_disk``) when the bytes it
+still needs, plus what the other Queued and Running downloads still need, plus the
+reserve (``DownloadReserveBytes``) are more than the models disk has free; the check
+runs again when a Queued download gets its turn. A write that does not fit all the
+same (something else filled the disk) fails the download with the numbers; its bytes
+stay in ``.partial`` for a resume, and ``downloads.json`` is only ever replaced whole.
+
 The Hugging Face token arrives in the POST body and lives only on the in-memory
 :class:`~agent.weights._download_state.Download`: never in ``downloads.json``, an answer, an
 event or a log line, and it is dropped when the download ends. So a restart cannot
@@ -60,8 +67,9 @@ from agent.weights._download_state import (
     DownloadRequest,
     parse_request,
 )
-from agent.weights._hubfetch import DownloadFailed, HubClient
+from agent.weights._hubfetch import DiskFull, DownloadFailed, HubClient
 from protocol.atomic import fsync_directory, write_atomic
+from protocol.logcap import NO_SPACE
 
 __all__ = ["MANIFEST_NAME", "PARTIAL_SUFFIX", "STATE_FILE", "DownloadManager"]
 
@@ -99,6 +107,7 @@ class DownloadManager:
         bus: EventBus,
         endpoint: str | None = None,
         free_bytes: Callable[[Path], int] = _free_bytes,
+        reserve_bytes: int = 0,
         max_running: int = 2,
         progress_interval: float = 0.5,
         retry_delay: float = 1.0,
@@ -109,6 +118,7 @@ class DownloadManager:
         self._bus = bus
         self._endpoint = endpoint
         self._free_bytes = free_bytes
+        self.reserve_bytes = reserve_bytes
         self._slots = asyncio.Semaphore(max_running)
         self._interval = progress_interval
         self._on_finished = on_finished
@@ -410,17 +420,54 @@ class DownloadManager:
             write_atomic(marker, json.dumps(self._source(download)).encode(), mode=0o644)
 
     def _check_disk(self, download: Download) -> None:
+        """Refuse (409 insufficient_disk) a download that would not leave the reserve free.
+
+        Counted: this download's bytes still to fetch, and those of every other Queued
+        or Running one, which will land on the same disk. An unknown size cannot be
+        counted; a write that does not fit then fails the download instead.
+        """
         total = download.bytes_total
         if total is None:
-            return  # an unknown size cannot be checked; the write fails honestly instead
+            return
         needed = max(0, total - download.bytes_done)
+        others = sum(
+            max(0, (d.bytes_total or 0) - d.bytes_done)
+            for d in self._downloads.values()
+            if d.state in ACTIVE and d is not download
+        )
         free = self._free_bytes(self.models_root)
-        if needed > free:
-            raise InsufficientDisk(
-                f"download {download.folder!r} needs {_gib(needed)} more, but the models root "
-                f"{self.models_root} has {_gib(free)} free",
-                details={"neededBytes": needed, "freeBytes": free},
-            )
+        if needed + others + self.reserve_bytes <= free:
+            return
+        short = needed + others + self.reserve_bytes - free
+        pending = f", the other downloads under way {_gib(others)}" if others else ""
+        raise InsufficientDisk(
+            f"download {download.folder!r} needs {_gib(needed)} more{pending}, and "
+            f"DownloadReserveBytes keeps {_gib(self.reserve_bytes)} free, but the models "
+            f"root {self.models_root} has {_gib(free)} free; free {_gib(short)} there (or "
+            "pick a smaller variant, or lower DownloadReserveBytes) and POST it again",
+            details={
+                "neededBytes": needed,
+                "freeBytes": free,
+                "reserveBytes": self.reserve_bytes,
+                "otherDownloadsBytes": others,
+            },
+        )
+
+    def _disk_full(self, download: Download, exc: DiskFull | OSError) -> str:
+        """The error of a download whose write did not fit: the numbers, and what to do."""
+        try:
+            free = _gib(self._free_bytes(self.models_root))
+        except OSError:
+            free = "an unknown amount"
+        total = download.bytes_total
+        needed = _gib(max(0, total - download.bytes_done)) if total is not None else "more"
+        what = str(exc) if isinstance(exc, DiskFull) else (exc.strerror or str(exc))
+        return (
+            f"the models disk is full ({what}): the download still needs {needed}, and "
+            f"{self.models_root} has {free} free; the {download.bytes_done} bytes already "
+            f"written stay in {download.folder}{PARTIAL_SUFFIX}. Free space there and POST "
+            "the download again to resume, or DELETE it to remove those bytes"
+        )
 
     # -- cancel ----------------------------------------------------------------------
 
@@ -459,6 +506,8 @@ class DownloadManager:
                 download.started_at = time.time()
                 download.rate.reset()
                 download.rate.add(time.monotonic(), download.bytes_done)
+                # It may have queued for a while: the disk is checked again, now.
+                self._check_disk(download)
                 self._persist_quietly()
                 self._publish(download, force=True)
                 log.info("Download %s started", download.folder)
@@ -482,8 +531,13 @@ class DownloadManager:
             log.warning("Download %s failed: %s", download.folder, exc.message)
         except Exception as exc:
             download.state = FAILED
-            download.error = f"unexpected error: {type(exc).__name__}: {exc}"
-            log.exception("Download %s failed unexpectedly", download.folder)
+            if isinstance(exc, DiskFull) or (isinstance(exc, OSError) and exc.errno in NO_SPACE):
+                # A write into .partial, a folder or the manifest did not fit.
+                download.error = self._disk_full(download, exc)
+                log.warning("Download %s failed: %s", download.folder, download.error)
+            else:
+                download.error = f"unexpected error: {type(exc).__name__}: {exc}"
+                log.exception("Download %s failed unexpectedly", download.folder)
         download.finished_at = time.time()
         download.token = None
         self._persist_quietly()

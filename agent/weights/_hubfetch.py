@@ -21,6 +21,11 @@ stopped. A 200 to a Range request (a server that ignores ranges) starts the file
 LFS files must match the hub's SHA-256, small files their size and git blob id; a
 mismatch deletes the file and fails naming the file and both digests.
 
+A write that does not fit (ENOSPC, EDQUOT) is taken back to the last whole write, so
+the file on disk is exactly the bytes hashed so far, and raises :class:`DiskFull`;
+the manager fails the download with how much is needed and free, and the bytes
+written stay in ``.partial`` for a resume.
+
 The endpoint is passed explicitly on every call: ``huggingface_hub`` reads
 ``HF_ENDPOINT`` once at import, and the agent reads it per download.
 """
@@ -34,7 +39,7 @@ import logging
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
@@ -43,8 +48,9 @@ from agent._errors import InvalidRequest
 from agent._version import __version__
 from agent.engines import check_relative_name
 from agent.weights._download_state import Download, DownloadRequest, FileEntry
+from protocol.logcap import NO_SPACE
 
-__all__ = ["DownloadFailed", "FileSink", "HubClient", "hub_refusal"]
+__all__ = ["DiskFull", "DownloadFailed", "FileSink", "HubClient", "hub_refusal"]
 
 log = logging.getLogger("mirbad.agent.downloads")
 
@@ -63,6 +69,16 @@ class DownloadFailed(Exception):
         super().__init__(message)
 
 
+class DiskFull(Exception):
+    """A write into ``.partial`` did not fit on the models disk; nothing of it is kept."""
+
+    def __init__(self, entry: FileEntry, offset: int, error: OSError) -> None:
+        self.entry = entry
+        self.offset = offset
+        self.strerror = error.strerror or str(error)
+        super().__init__(f"{entry.name}: {self.strerror} after byte {offset}")
+
+
 class _Transient(Exception):
     """A failure worth retrying from where the file stopped (drop, timeout, 5xx)."""
 
@@ -77,7 +93,9 @@ class FileSink:
                 path.unlink()
         self.path = path
         self.entry = entry
-        self.handle: IO[bytes] = open(path, "ab")  # closed by close()
+        # Unbuffered: what write() returns from is on the file, nothing waits in a buffer
+        # that a later flush could fail to write.
+        self.handle: IO[bytes] = open(path, "ab", buffering=0)  # closed by close()
         self.offset = 0
         self._new_hashes()
 
@@ -103,8 +121,20 @@ class FileSink:
             self.git.update(data)
 
     def write(self, data: bytes) -> None:
-        """Append bytes that arrived, hashing them."""
-        self.handle.write(data)
+        """Append bytes that arrived, hashing them; DiskFull when they do not fit.
+
+        A write that failed part-way is cut back to ``offset``: the file holds exactly
+        the bytes hashed, so a resume reads a true prefix.
+        """
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[self.handle.write(view) or 0 :]
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            os.ftruncate(self.handle.fileno(), self.offset)  # shrinking needs no space
+            raise DiskFull(self.entry, self.offset, exc) from None
         self._hash(data)
         self.offset += len(data)
 
@@ -119,10 +149,11 @@ class FileSink:
         """Close the file, fsynced first when ``sync`` (a complete file); idempotent."""
         if self.handle.closed:
             return
-        self.handle.flush()
-        if sync:
-            os.fsync(self.handle.fileno())
-        self.handle.close()
+        try:
+            if sync:
+                os.fsync(self.handle.fileno())
+        finally:
+            self.handle.close()
 
 
 class HubClient:
@@ -153,9 +184,10 @@ class HubClient:
     ) -> tuple[list[FileEntry], list[str]]:
         """The selected files (sizes, digests) and the repo's whole listing; blocking.
 
-        A file name the hub lists that is not a plain relative path, or whose first
-        part is one of ``reserved`` (the agent's own bookkeeping names), refuses the
-        whole download with 400 invalid_request.
+        A file to fetch (one the allow-patterns select) whose name is not a plain
+        relative path (protocol.names.check_relative_path), or whose first part is one of
+        ``reserved`` (the agent's own bookkeeping names), refuses the whole download with
+        400 invalid_request.
         """
         from huggingface_hub import HfApi
         from huggingface_hub.errors import HfHubHTTPError
@@ -195,15 +227,19 @@ class HubClient:
         siblings = list(info.siblings or [])
         for sibling in siblings:
             name = sibling.rfilename
-            check_relative_name(name, f"{request.repo_id} lists the file")
-            if PurePosixPath(name).parts[0] in reserved:
+            if str(name).split("/")[0] in reserved:
                 raise InvalidRequest(
                     f"{request.repo_id} lists a file named {name!r}, which is the agent's own "
                     "bookkeeping name; refusing to download it"
                 )
-        chosen = filter_repo_objects(
-            siblings, allow_patterns=request.allow_patterns, key=lambda s: s.rfilename
+        chosen = list(
+            filter_repo_objects(
+                siblings, allow_patterns=request.allow_patterns, key=lambda s: s.rfilename
+            )
         )
+        # Only the files to fetch become paths; the repo's other files may have any name.
+        for sibling in chosen:
+            check_relative_name(sibling.rfilename, f"{request.repo_id} lists the file")
         entries = [
             FileEntry(
                 name=s.rfilename,
@@ -319,11 +355,16 @@ class HubClient:
                     tick()
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             raise _Transient(f"the transfer broke off ({type(exc).__name__}: {exc})") from None
+        except DiskFull:
+            pending = []  # what did not fit will not fit now either
+            raise
         finally:
-            # Bytes that arrived before a drop are good bytes: keep them for the resume.
-            if pending:
-                await asyncio.to_thread(sink.write, b"".join(pending))
-            entry.bytes_done = sink.offset
+            try:
+                # Bytes that arrived before a drop are good bytes: keep them for the resume.
+                if pending:
+                    await asyncio.to_thread(sink.write, b"".join(pending))
+            finally:
+                entry.bytes_done = sink.offset  # what is on disk, even when that write failed
         if entry.size is not None and sink.offset < entry.size:
             raise _Transient(f"the connection closed after byte {sink.offset} of {entry.size}")
         return True

@@ -81,8 +81,12 @@ class _Found:
     regular: bool
 
 
-def _walk(folder: Path) -> list[_Found]:
-    """Every file under ``folder`` (relative names, ``/``-separated), never following links."""
+def _walk(folder: Path, root: Path | None = None) -> list[_Found]:
+    """Every file under ``folder`` (relative names, ``/``-separated), never following links.
+
+    A link's size is its target's when the target lies inside ``root`` (the models
+    root, resolved), else 0: the inventory says nothing of a file outside the root.
+    """
     found: list[_Found] = []
     for directory, dirnames, filenames in os.walk(folder, followlinks=False):
         base = Path(directory)
@@ -104,8 +108,10 @@ def _walk(folder: Path) -> list[_Found]:
             size = info.st_size
             if not regular:
                 try:
-                    size = path.stat().st_size
-                except OSError:
+                    target = path.resolve(strict=True)
+                    inside = root is not None and target.is_relative_to(root)
+                    size = path.stat().st_size if inside else 0
+                except (OSError, RuntimeError):
                     size = 0
             found.append(_Found(name=relative, size=size, regular=regular))
     found.sort(key=lambda f: f.name)
@@ -115,7 +121,7 @@ def _walk(folder: Path) -> list[_Found]:
 def describe_folder(root: Path, folder: str) -> dict[str, Any]:
     """One folder of the inventory (see the module docstring for ``fetched``)."""
     path = root / folder
-    files = _walk(path)
+    files = _walk(path, root.resolve())
     manifest = read_manifest(path)
     listed: dict[str, int] = {}
     if manifest is not None:
@@ -166,6 +172,12 @@ class Weights:
             children = []
         for child in children:
             if child.name.endswith(PARTIAL_SUFFIX) or not child.is_dir():
+                continue
+            try:
+                confined_path(root, child.name)
+            except ApiError as exc:
+                # A folder linked out of the root is not listed (no launch may use it).
+                log.warning("Not listing model folder %s: %s", child.name, exc.message)
                 continue
             try:
                 folders.append(describe_folder(root, child.name))

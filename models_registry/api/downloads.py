@@ -18,12 +18,14 @@ from rest_framework.response import Response
 from core.api_serializers import errors, parse
 from models_registry import downloads
 from models_registry.api.serializers import DownloadRequestSerializer, ReclaimRequestSerializer
+from models_registry.api.views import AGENT_ERRORS
 
 _NODE = OpenApiParameter(
     "node", OpenApiTypes.STR, description="The node; may be left out when there is one."
 )
 _FOLDER = OpenApiParameter("folder", OpenApiTypes.STR, OpenApiParameter.PATH)
-_NODE_ERRORS = errors(400, 404, 409, 501, 503)
+_NODE_ERRORS = AGENT_ERRORS
+_HUB_ERRORS = errors(400, 403, 404, 502)
 
 
 def _node(request: Request) -> str | None:
@@ -44,7 +46,7 @@ class DownloadViewSet(viewsets.ViewSet):
 
     @extend_schema(
         request=DownloadRequestSerializer,
-        responses={202: OpenApiTypes.OBJECT, **_NODE_ERRORS, **errors(502)},
+        responses={202: OpenApiTypes.OBJECT, **_NODE_ERRORS, **_HUB_ERRORS},
     )
     def create(self, request: Request) -> Response:
         body = parse(DownloadRequestSerializer, request.data)
@@ -76,7 +78,7 @@ class DownloadViewSet(viewsets.ViewSet):
                 description="A token for a private repo; never in the URL.",
             ),
         ],
-        responses={200: OpenApiTypes.OBJECT, **errors(400, 404, 502)},
+        responses={200: OpenApiTypes.OBJECT, **_HUB_ERRORS},
         description="The repo's GGUF variants and the commit the revision names.",
     )
     @action(detail=False, methods=["get"])

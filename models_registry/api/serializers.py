@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
@@ -52,11 +52,11 @@ class ModelWriteSerializer(ApiSerializer):
 
 
 class CommandSerializer(ApiSerializer):
-    """The body of start, restart and stop; any non-object body is read as ``{}``."""
+    """The body of start, restart and stop: a JSON object or no body."""
 
-    empty_if_not_object = True
-
-    force = JsonBool(help_text="Skip the memory admission (start and restart only).")
+    force = JsonBool(
+        allow_null=False, help_text="Skip the memory admission (start and restart only)."
+    )
     node = JsonStr(help_text="Act on this node's replica only.")
 
     def validate_force(self, value: Any) -> Any:
@@ -107,11 +107,11 @@ class PlacementSerializer(serializers.Serializer):
     def get_restartPending(self, placement: Placement) -> bool:
         return lifecycle.restart_pending(placement.model, placement, self._instance(placement))
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field(serializers.DictField(allow_null=True))
     def get_measured(self, placement: Placement) -> Any:
         return (self._instance(placement) or {}).get("measured")
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_overBudget(self, placement: Placement) -> str | None:
         model = placement.model
         measured = self.get_measured(placement)
@@ -120,7 +120,7 @@ class PlacementSerializer(serializers.Serializer):
             budget, measured.get("bytes") if isinstance(measured, dict) else None
         )
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_error(self, placement: Placement) -> Any:
         return (self._instance(placement) or {}).get("error")
 
@@ -154,11 +154,11 @@ class ModelSerializer(serializers.Serializer):
             cache[model.pk] = services.model_state(model, self.context["statuses"])
         return cache[model.pk]
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_autoStartNote(self, model: ModelDefinition) -> str | None:
         return model.auto_start_note or None
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field(serializers.DictField(allow_null=True))
     def get_estimate(self, model: ModelDefinition) -> Any:
         return model.estimate or None
 
@@ -173,15 +173,17 @@ class ModelSerializer(serializers.Serializer):
     def get_state(self, model: ModelDefinition) -> Any:
         return self._state(model)["state"]
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_nodeId(self, model: ModelDefinition) -> Any:
         return self._state(model)["nodeId"]
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_error(self, model: ModelDefinition) -> Any:
         return self._state(model)["error"]
 
 
+# many=False: the list action answers one object that holds the list, not a bare array.
+@extend_schema_serializer(many=False)
 class ModelListSerializer(serializers.Serializer):
     models = ModelSerializer(many=True)
 

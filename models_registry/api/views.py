@@ -32,6 +32,10 @@ _NODE_QUERY = OpenApiParameter(
 _FORCE_QUERY = OpenApiParameter(
     "force", OpenApiTypes.STR, description="'1' or 'true' skips the memory admission."
 )
+# What an operation that asks a node's agent can answer: the agent's refusals as
+# models_registry.lifecycle.agent_error passes them on (400, 404, 409, 422, 501, 503,
+# 504; any other is a 502), 503 for a node not serving, 504 for a lost answer.
+AGENT_ERRORS = errors(400, 404, 409, 422, 501, 502, 503, 504)
 
 
 def _statuses(models: list[ModelDefinition]) -> dict[str, Any]:
@@ -66,7 +70,7 @@ class ModelViewSet(viewsets.GenericViewSet):
         return Response({"models": listed.data})
 
     @extend_schema(
-        request=ModelWriteSerializer, responses={201: ModelSerializer, **errors(400, 409)}
+        request=ModelWriteSerializer, responses={201: ModelSerializer, **errors(400, 404, 409)}
     )
     def create(self, request: Request) -> Response:
         model = services.create_model(parse(ModelWriteSerializer, request.data))
@@ -93,7 +97,7 @@ class ModelViewSet(viewsets.GenericViewSet):
     @extend_schema(
         request=CommandSerializer,
         parameters=[_FORCE_QUERY, _NODE_QUERY],
-        responses={202: CommandResultSerializer, **errors(400, 404, 409, 422, 503, 504)},
+        responses={202: CommandResultSerializer, **AGENT_ERRORS},
     )
     @action(detail=True, methods=["post"])
     def start(self, request: Request, model_id: int) -> Response:
@@ -103,7 +107,7 @@ class ModelViewSet(viewsets.GenericViewSet):
     @extend_schema(
         request=CommandSerializer,
         parameters=[_FORCE_QUERY, _NODE_QUERY],
-        responses={202: CommandResultSerializer, **errors(400, 404, 409, 422, 503, 504)},
+        responses={202: CommandResultSerializer, **AGENT_ERRORS},
     )
     @action(detail=True, methods=["post"])
     def restart(self, request: Request, model_id: int) -> Response:
@@ -113,7 +117,7 @@ class ModelViewSet(viewsets.GenericViewSet):
     @extend_schema(
         request=CommandSerializer,
         parameters=[_NODE_QUERY],
-        responses={200: CommandResultSerializer, **errors(400, 404, 503, 504)},
+        responses={200: CommandResultSerializer, **AGENT_ERRORS},
     )
     @action(detail=True, methods=["post"])
     def stop(self, request: Request, model_id: int) -> Response:
@@ -124,7 +128,7 @@ class ModelViewSet(viewsets.GenericViewSet):
 
     @extend_schema(
         parameters=[OpenApiParameter("node", OpenApiTypes.STR, description="Estimate there.")],
-        responses={200: OpenApiTypes.OBJECT, **errors(404, 409, 503)},
+        responses={200: OpenApiTypes.OBJECT, **AGENT_ERRORS},
         description="The estimate's breakdown and the admission lines.",
     )
     @action(detail=True, methods=["get"])

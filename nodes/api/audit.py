@@ -19,7 +19,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from core.api_negotiation import AnyAccept
-from core.api_serializers import IsoDateTime, errors
+from core.api_serializers import INT_OR_EMPTY, IsoDateTime, errors
 from nodes import audit
 
 __all__ = ["AuditCsv", "AuditList"]
@@ -36,8 +36,8 @@ _FILTERS = [
     ),
 ]
 _PAGE = [
-    OpenApiParameter("before", OpenApiTypes.INT, description="The `next` of the previous page."),
-    OpenApiParameter("limit", OpenApiTypes.INT, description="1 to 1000; 100 by default."),
+    OpenApiParameter("before", INT_OR_EMPTY, description="The `next` of the previous page."),
+    OpenApiParameter("limit", INT_OR_EMPTY, description="1 to 1000; 100 by default."),
 ]
 
 

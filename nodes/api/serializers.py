@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
@@ -39,9 +39,8 @@ class MaintenanceSerializer(ApiSerializer):
 
 
 class JoinTokenRequestSerializer(ApiSerializer):
-    """POST /api/join-tokens; any other body is read as ``{}``, as it always was."""
+    """POST /api/join-tokens: a JSON object or no body; unknown fields are ignored."""
 
-    empty_if_not_object = True
     ignore_unknown = True
 
     nodeId = JsonStr(help_text="Lower-case letters, digits and '-', at most 40 characters.")
@@ -49,9 +48,8 @@ class JoinTokenRequestSerializer(ApiSerializer):
 
 
 class RekeyRequestSerializer(ApiSerializer):
-    """POST /api/nodes/{id}/rekey; any other body is read as ``{}``, as it always was."""
+    """POST /api/nodes/{id}/rekey: a JSON object or no body; unknown fields are ignored."""
 
-    empty_if_not_object = True
     ignore_unknown = True
 
     lifetimeMinutes = JsonInt(help_text="1 to 10080; the master's default when left out.")
@@ -84,7 +82,14 @@ class RotationSerializer(serializers.Serializer):
     attempts = serializers.IntegerField()
     lastError = serializers.CharField(source="last_error")
     createdAt = IsoDateTime(source="created_at")
-    finishedAt = IsoDateTime(source="finished_at")
+    finishedAt = IsoDateTime(source="finished_at", allow_null=True)
+
+
+class NodeReasonSerializer(serializers.Serializer):
+    """Why a node is not simply Online (an agent's reason, clock skew, a certificate)."""
+
+    code = serializers.CharField()
+    message = serializers.CharField()
 
 
 def _status(serializer: serializers.Serializer, node: Node) -> status_cache.NodeStatus:
@@ -119,11 +124,11 @@ class NodeSerializer(serializers.Serializer):
     agentVersion = serializers.CharField(source="agent_version")
     os = serializers.CharField()
     arch = serializers.CharField()
-    memoryTotalBytes = serializers.IntegerField(source="memory_total_bytes")
+    memoryTotalBytes = serializers.IntegerField(source="memory_total_bytes", allow_null=True)
     memoryReserveBytes = serializers.IntegerField(source="memory_reserve_bytes")
     gpuReserves = serializers.SerializerMethodField()
     facts = serializers.JSONField()
-    certificateNotAfter = IsoDateTime(source="cert_not_after")
+    certificateNotAfter = IsoDateTime(source="cert_not_after", allow_null=True)
     rotation = serializers.SerializerMethodField()
     telemetry = serializers.SerializerMethodField()
     instances = serializers.SerializerMethodField()
@@ -158,15 +163,17 @@ class NodeSerializer(serializers.Serializer):
     def get_state(self, node: Node) -> Any:
         return _status(self, node).get("state", "Offline")
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_fingerprint(self, node: Node) -> str | None:
         return f"SHA256:{node.spki_pin}" if node.spki_pin else None
 
-    @extend_schema_field({"type": "array", "items": {"type": "string"}})
+    @extend_schema_field(NodeReasonSerializer(many=True))
     def get_reasons(self, node: Node) -> Any:
         return _status(self, node).get("reasons", [])
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(
+        serializers.FloatField(allow_null=True, help_text="Unix time of the last status.")
+    )
     def get_lastSeen(self, node: Node) -> Any:
         return _status(self, node).get("lastSeen")
 
@@ -174,11 +181,11 @@ class NodeSerializer(serializers.Serializer):
     def get_lastError(self, node: Node) -> Any:
         return _status(self, node).get("lastError", "")
 
-    @extend_schema_field(OpenApiTypes.OBJECT)
+    @extend_schema_field(serializers.DictField(allow_null=True))
     def get_fencing(self, node: Node) -> Any:
         return _status(self, node).get("fencing")
 
-    @extend_schema_field(OpenApiTypes.STR)
+    @extend_schema_field(serializers.CharField(allow_null=True))
     def get_bootId(self, node: Node) -> Any:
         return _status(self, node).get("bootId")
 
@@ -206,11 +213,13 @@ class NodeSerializer(serializers.Serializer):
     def get_stale(self, node: Node) -> bool:
         return self.get_statusSource(node) != status_cache.LIVE
 
-    @extend_schema_field(OpenApiTypes.DOUBLE)
+    @extend_schema_field(serializers.FloatField(allow_null=True))
     def get_statusAsOf(self, node: Node) -> Any:
         return _status(self, node).get("statusAsOf")
 
 
+# many=False: the list actions answer one object that holds the list, not a bare array.
+@extend_schema_serializer(many=False)
 class NodeListSerializer(serializers.Serializer):
     nodes = NodeSerializer(many=True)
     stale = serializers.BooleanField()

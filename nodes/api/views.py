@@ -16,7 +16,7 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from core.api_serializers import errors, parse
+from core.api_serializers import INT_OR_EMPTY, errors, parse
 from core.errors import ServiceError
 from nodes import audit, rotation, services, status_cache
 from nodes import operations as master_operations
@@ -167,12 +167,12 @@ class NodeViewSet(viewsets.GenericViewSet):
             OpenApiParameter(
                 "state",
                 OpenApiTypes.STR,
-                enum=["open", "succeeded", "failed"],
-                description="Only operations in this state.",
+                enum=["", "open", "succeeded", "failed"],
+                description="Only operations in this state; empty or left out: every state.",
             ),
             OpenApiParameter(
                 "limit",
-                OpenApiTypes.INT,
+                INT_OR_EMPTY,
                 description=f"At most this many, 1 to {master_operations.PAGE_MAX} "
                 f"({master_operations.PAGE_DEFAULT} when left out).",
             ),
@@ -245,7 +245,7 @@ class TakeoverView(GenericAPIView):
 
     serializer_class = TakeoverSerializer
 
-    @extend_schema(request=None, responses={200: TakeoverSerializer})
+    @extend_schema(request=None, responses={200: TakeoverSerializer, **errors(503)})
     def post(self, request: Request) -> Response:
         return Response(services.takeover())
 
@@ -260,7 +260,7 @@ class ModelFolderGguf(GenericAPIView):
             OpenApiParameter("file", OpenApiTypes.STR, description="The .gguf file to read."),
             OpenApiParameter("node", OpenApiTypes.STR, description="Needed with several nodes."),
         ],
-        responses={200: OpenApiTypes.OBJECT, **errors(400, 404, 409, 422, 501, 503)},
+        responses={200: OpenApiTypes.OBJECT, **errors(400, 404, 409, 422, 501, 502, 503)},
     )
     def get(self, request: Request, folder: str) -> Response:
         return Response(

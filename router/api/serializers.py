@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.utils.dateparse import parse_datetime
+from drf_spectacular.utils import extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
@@ -73,6 +74,8 @@ class NewKeySerializer(KeySerializer):
     key = serializers.CharField(help_text="The key itself: shown this once, stored hashed.")
 
 
+# many=False: the list action answers one object that holds the list, not a bare array.
+@extend_schema_serializer(many=False)
 class KeyListSerializer(serializers.Serializer[dict[str, Any]]):
     keys = KeySerializer(many=True)
 

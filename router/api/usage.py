@@ -13,14 +13,14 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from core.api_negotiation import AnyAccept
-from core.api_serializers import errors
+from core.api_serializers import INT_OR_EMPTY, errors
 from router import usage
 from router.api.serializers import UsageRowSerializer, UsageSummarySerializer
 
 _RANGE = [
     OpenApiParameter("from", OpenApiTypes.STR, description="A date or an ISO 8601 time."),
     OpenApiParameter("to", OpenApiTypes.STR, description="A date or an ISO 8601 time."),
-    OpenApiParameter("key", OpenApiTypes.INT, description="Only this key's id."),
+    OpenApiParameter("key", INT_OR_EMPTY, description="Only this key's id."),
     OpenApiParameter("model", OpenApiTypes.STR, description="Only this served name."),
 ]
 

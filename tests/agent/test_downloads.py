@@ -184,7 +184,12 @@ async def test_too_small_disk_is_refused_with_the_numbers(
         assert (error.status, error.code) == (409, "insufficient_disk")
         assert "200000 bytes" in error.message and "150000 bytes" in error.message
         assert "0.00 GiB" in error.message
-        assert error.details == {"neededBytes": 200_000, "freeBytes": 150_000}
+        assert error.details == {
+            "neededBytes": 200_000,
+            "freeBytes": 150_000,
+            "reserveBytes": 0,
+            "otherDownloadsBytes": 0,
+        }
         assert "disk" not in small._downloads
         assert not (small.models_root / "disk.partial").exists(), "a refusal leaves no litter"
     finally:

@@ -33,9 +33,9 @@ def test_tiny_model_summary_matches_the_gguf_package(tiny: bytes, tmp_path: Path
     assert info["embeddingLength"] == 64 and info["contextLength"] == 512
     assert info["headCountKv"] == 4 and info["keyLength"] == 16
     reference = gguf.GGUFReader(path)
-    assert len(header.tensors) == len(reference.tensors)
+    assert header.tensor_count == len(reference.tensors)
     assert header.data_offset == reference.data_offset
-    assert sum(t["bytes"] for t in header.tensors) == sum(int(t.n_bytes) for t in reference.tensors)
+    assert header.tensor_bytes == sum(int(t.n_bytes) for t in reference.tensors)
 
 
 def _refused(tmp_path: Path, data: bytes, message: str) -> None:
@@ -91,12 +91,11 @@ def test_unknown_value_type(tmp_path: Path) -> None:
 
 
 def test_tensor_outside_the_file(tiny: bytes, tmp_path: Path) -> None:
-    header = read_header(_file(tmp_path, tiny))
+    last = gguf.GGUFReader(_file(tmp_path, tiny)).tensors[-1]
     # Point the last tensor's offset far beyond the end of the file.
-    last = header.tensors[-1]
-    name = last["name"].encode()
+    name = last.name.encode()
     at = tiny.rindex(struct.pack("<Q", len(name)) + name)
-    field = at + 8 + len(name) + 4 + 8 * len(last["shape"]) + 4
+    field = at + 8 + len(name) + 4 + 8 * len(last.shape) + 4
     bad = tiny[:field] + struct.pack("<Q", 2**40) + tiny[field + 8 :]
     _refused(tmp_path, bad, "outside the file")
 

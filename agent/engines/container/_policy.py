@@ -16,7 +16,13 @@ import docker.types
 
 from agent._config import AgentConfig
 from agent._errors import InvalidRequest, SpecRejected
-from agent.engines._spec import ContainerSpec, confined_path, resolve_model_path, substitute
+from agent.engines._spec import (
+    ContainerSpec,
+    check_folder_name,
+    confined_path,
+    resolve_model_path,
+    substitute,
+)
 from agent.engines.container._instance import (
     CONTAINER_PORT,
     KEY_VARIABLES,
@@ -81,7 +87,7 @@ def model_bindings(
         resolve_model_path(root, folder, file)
     else:
         try:
-            path = confined_path(root, folder)
+            path = confined_path(root, check_folder_name(folder, "model.folder"))
         except InvalidRequest as exc:
             raise SpecRejected(exc.message, details={"field": "model.folder"}) from None
         if not path.is_dir():
@@ -137,6 +143,15 @@ def container_definition(
         "detach": True,
         # The agent supervises and restarts within its budget; Docker must not as well.
         "restart_policy": {"Name": "no"},
+        # Docker keeps its own copy of the output (the agent copies it to the engine
+        # log): capped like that log, EngineLogMaxBytes per file.
+        "log_config": docker.types.LogConfig(
+            type="json-file",
+            config={
+                "max-size": str(config.engine_log_max_bytes),
+                "max-file": str(config.engine_log_files + 1),
+            },
+        ),
     }
     if spec.container.shm_size_bytes:
         kwargs["shm_size"] = spec.container.shm_size_bytes

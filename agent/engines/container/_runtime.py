@@ -78,6 +78,7 @@ from agent.engines.container._records import (
     write_records,
 )
 from agent.engines.process._handle import (
+    EngineLogWriter,
     PortAllocator,
     engine_log_path,
     exit_text,
@@ -396,10 +397,9 @@ class ContainerRuntime(ContainerAdoption):
                 stream = self.docker.long_client.api.logs(
                     cid, stream=True, follow=True, since=since
                 )
-                with open(path, "ab") as handle:
+                with EngineLogWriter(path) as handle:  # a full disk drops chunks, not the relay
                     for chunk in stream:
                         handle.write(chunk)
-                        handle.flush()
             except Exception as exc:  # the container went, or Docker did: the log just ends
                 log.debug("Log follower of %s ended: %s", cid, exc)
 

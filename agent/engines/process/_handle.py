@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -31,9 +30,11 @@ from typing import BinaryIO
 import psutil
 
 from agent._errors import SpecRejected
+from protocol.logcap import NO_SPACE, Capped, LogLimits, copy_truncate
 
 __all__ = [
     "AdoptedProcess",
+    "EngineLogWriter",
     "EngineProcess",
     "PortAllocator",
     "cap_log",
@@ -46,12 +47,12 @@ __all__ = [
 
 log = logging.getLogger("mirbad.agent.process")
 
-LOG_ROTATE_BYTES = 50 * 1024 * 1024
 LOG_TAIL_LINES = 400
-# While an engine runs its log is capped (docs/decisions.md D62): past LOG_CAP_BYTES its
-# last LOG_CAP_KEEP_BYTES go to ``<name>.1`` and the file is truncated in place.
-LOG_CAP_BYTES = 64 * 1024 * 1024
-LOG_CAP_KEEP_BYTES = 8 * 1024 * 1024
+# While an engine runs its log is capped (docs/decisions.md D62; protocol/logcap.py): past
+# EngineLogMaxBytes it is copied to ``<name>.1`` (older ones to .2 ... EngineLogFiles)
+# and truncated in place. These are the config keys' defaults.
+LOG_CAP_BYTES = 32 * 1024 * 1024
+LOG_CAP_FILES = 2
 
 
 def exit_text(code: int | None) -> str:
@@ -278,10 +279,16 @@ class AdoptedProcess(_GroupLeader):
 
 
 def read_log_tail(path: Path, offset: int = 0, max_lines: int = LOG_TAIL_LINES) -> list[str]:
-    """The last ``max_lines`` lines written to ``path`` after ``offset``."""
+    """The last ``max_lines`` lines written to ``path`` after ``offset``.
+
+    A file shorter than ``offset`` was capped since (truncated in place): all of it is
+    this run's output then.
+    """
     try:
         with open(path, "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
+            if size < offset:
+                offset = 0
             start = max(offset, size - 1024 * 1024)
             handle.seek(start)
             data = handle.read()
@@ -293,70 +300,117 @@ def read_log_tail(path: Path, offset: int = 0, max_lines: int = LOG_TAIL_LINES) 
     return [line.rstrip() for line in lines[-max_lines:]]
 
 
-def _rotate(path: Path) -> None:
-    if path.exists() and path.stat().st_size > LOG_ROTATE_BYTES:
-        older = path.with_name(path.name + ".1")
-        if older.exists():
-            os.replace(older, path.with_name(path.name + ".2"))
-        os.replace(path, older)
-
-
 def engine_log_path(state_directory: Path, instance_id: str) -> Path:
     """The file an instance's engine writes its output to (``logs/ss-<instanceId>.log``)."""
     return state_directory / "logs" / f"ss-{instance_id}.log"
 
 
-def cap_log(path: Path, cap: int = LOG_CAP_BYTES, keep: int = LOG_CAP_KEEP_BYTES) -> bool:
-    """Copy-truncate ``path`` once it is larger than ``cap``; True when it did.
+# Paths whose last cap failed, with the error: a failure is logged once, not every poll.
+_CAP_FAILURES: dict[Path, str] = {}
+
+
+def cap_log(
+    path: Path, cap: int = LOG_CAP_BYTES, keep: int | None = None, *, files: int = LOG_CAP_FILES
+) -> Capped | None:
+    """Copy-truncate ``path`` once it is larger than ``cap``; what it did, or None.
 
     The engine keeps the file open, so it cannot be renamed away (the engine would go on
     writing to the renamed file). It writes with O_APPEND (:func:`open_log`), so after
     the truncation its next write lands at the new end, offset 0, leaving no hole. The
-    last ``keep`` bytes (from a line start) go to ``<name>.1`` first, the previous ``.1``
-    to ``.2``. What the engine writes between the copy and the truncation is lost: a
-    few lines at most, once per ``cap`` bytes.
+    file (its last ``keep`` bytes, from a line start, when given) goes to ``<name>.1``
+    first, the older ones to ``.2`` ... ``.<files>``; a full disk truncates it without
+    a copy (protocol/logcap.py). Never raises: a failure is logged once per path.
     """
     try:
-        size = path.stat().st_size
-    except OSError:
-        return False
-    if size <= cap:
-        return False
-    older = path.with_name(path.name + ".1")
-    staged = path.with_name(path.name + ".1.part")
-    try:
-        with open(path, "rb") as source, open(staged, "wb") as target:
-            start = max(0, size - keep)
-            source.seek(start)
-            if start:
-                source.readline()  # the cut line's end: .1 starts on a whole line
-            shutil.copyfileobj(source, target)
-        if older.exists():
-            os.replace(older, path.with_name(path.name + ".2"))
-        os.replace(staged, older)
-        os.truncate(path, 0)
+        done = copy_truncate(path, LogLimits(max_bytes=cap, files=files), keep=keep)
     except OSError as exc:
-        log.warning("Could not cap the engine log %s: %s", path, exc)
-        with contextlib.suppress(OSError):
-            staged.unlink()
-        return False
-    log.info("Capped the engine log %s at %d bytes (its tail is in %s)", path, size, older.name)
-    return True
+        text = str(exc)
+        if _CAP_FAILURES.get(path) != text:
+            _CAP_FAILURES[path] = text
+            log.warning("Could not cap the engine log %s: %s", path, exc)
+        return None
+    _CAP_FAILURES.pop(path, None)
+    if done is None:
+        return None
+    if done.reason is not None:
+        log.warning("Capped the engine log %s at %d bytes: %s", path, done.end, done.reason)
+    else:
+        kept = f"now in {done.rotated.name}" if done.rotated else "EngineLogFiles is 0: not kept"
+        log.info("Capped the engine log %s at %d bytes (%s)", path, done.end, kept)
+    return done
 
 
 def open_log(path: Path, header: str) -> tuple[BinaryIO, int]:
-    """Rotate if needed, open for appending, write a header; returns (file, offset)."""
-    _rotate(path)
+    """Open for appending (O_APPEND, so a cap never leaves a hole), write a header.
+
+    Returns (file, offset of this run's output). A header that does not fit on a full
+    disk is left out: the engine starts all the same, and its own writes fail quietly
+    until there is room (the agent's poller caps the file then).
+    """
     offset = path.stat().st_size if path.exists() else 0
     # Not a with-block: the caller hands the open file to the child, then closes it.
-    handle = open(path, "ab")
+    # Unbuffered: a header that could not be written is not retried by close().
+    handle = open(path, "ab", buffering=0)
     try:
         handle.write(f"--- {time.strftime('%Y-%m-%dT%H:%M:%S')} {header}\n".encode())
-        handle.flush()
+    except OSError as exc:
+        if exc.errno not in NO_SPACE:
+            handle.close()
+            raise
+        log.warning("The engine log %s is on a full disk: %s", path, exc.strerror)
     except BaseException:
         handle.close()
         raise
     return handle, offset
+
+
+class EngineLogWriter:
+    """Appends an engine's output that the agent relays (a container's) to its log.
+
+    O_APPEND, unbuffered, like an engine's own descriptor, so a cap never leaves a hole.
+    A write that does not fit on a full disk drops that chunk instead of ending the
+    relay; once a write fits again, a line says how many bytes were dropped.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        self.dropped = 0
+
+    def write(self, data: bytes) -> None:
+        """Append ``data`` whole, or drop it when the disk is full."""
+        if self.dropped:
+            note = f"[agent: {self.dropped} bytes of output dropped: the disk was full]\n"
+            if self._append(note.encode()):
+                self.dropped += len(data)
+                return
+            self.dropped = 0
+        self.dropped += self._append(data)
+
+    def _append(self, data: bytes) -> int:
+        """Write ``data``; how many of its bytes did not fit (0: all were written)."""
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            if exc.errno not in NO_SPACE:
+                raise
+            if not self.dropped:
+                log.warning("The engine log %s is on a full disk: %s", self.path, exc.strerror)
+            return len(view)
+        return 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> EngineLogWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def _port_free(port: int) -> bool:
