@@ -53,6 +53,16 @@ GENERAL_KEYS = frozenset(
         "tokenizer.ggml.tokens",
     }
 )
+# Sizes and switches checked only for being 0 or more (read as "{architecture}.{key}").
+SIZE_KEYS = (
+    "pooling_type",
+    "full_attention_interval",
+    "ssm.conv_kernel",
+    "ssm.inner_size",
+    "ssm.state_size",
+    "ssm.group_count",
+    "wkv.head_size",
+)
 # Read as "{architecture}.{key}".
 ARCH_KEYS = (
     "block_count",
@@ -63,14 +73,8 @@ ARCH_KEYS = (
     "attention.key_length",
     "attention.value_length",
     "vocab_size",
-    "pooling_type",
     "attention.causal",
-    "full_attention_interval",
-    "ssm.conv_kernel",
-    "ssm.inner_size",
-    "ssm.state_size",
-    "ssm.group_count",
-    "wkv.head_size",
+    *SIZE_KEYS,
 )
 # llama.cpp reads these as one value or as one value per layer (an integer array).
 PER_LAYER_KEYS = ("attention.head_count", "attention.head_count_kv")
@@ -229,18 +233,7 @@ def check_model(md: Mapping[str, Any], *, file: str, tensor_count: int) -> None:
     key_length = _at_least(md, p + "attention.key_length", 0, file=file)
     value_length = _at_least(md, p + "attention.value_length", 0, file=file)
     vocab = _at_least(md, p + "vocab_size", 0, file=file)
-    sizes = {
-        key: _at_least(md, p + key, 0, file=file)
-        for key in (
-            "pooling_type",
-            "full_attention_interval",
-            "ssm.conv_kernel",
-            "ssm.inner_size",
-            "ssm.state_size",
-            "ssm.group_count",
-            "wkv.head_size",
-        )
-    }
+    sizes = {key: _at_least(md, p + key, 0, file=file) for key in SIZE_KEYS}
     if blocks is not None and blocks > tensor_count:
         raise GgufInvalid(
             f"{file}: {show(p)}block_count is {blocks} but the file holds only {tensor_count} "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import ssl
+import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,8 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from agent._config import AgentConfig
-from agent.engines._executables import Catalogue
+from agent._config import AgentConfig, ExecutableEntry
+from agent.engines._executables import Catalogue, write_manifest
 from agent.engines.process._runtime import ProcessRuntime
 from agent.http._server import AgentServer
 from agent.identity._tls import Identity, load_identity, store_identity
@@ -330,3 +331,14 @@ async def start_runtime(
     )
     await runtime.start()
     return runtime
+
+
+def make_fake_engine(root: Path) -> ExecutableEntry:
+    """A verified executable folder under ``root`` whose llama-server is FAKE_ENGINE."""
+    folder = root / "runtimes" / "llama.cpp" / "fake-1"
+    folder.mkdir(parents=True)
+    script = folder / "llama-server"
+    script.write_text(f"#!{sys.executable}\n" + FAKE_ENGINE)
+    script.chmod(0o755)
+    write_manifest(folder, name="llama.cpp", version="fake-1")
+    return ExecutableEntry(name="llama.cpp", version="fake-1", path=script, default=True)

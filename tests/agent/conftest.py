@@ -6,9 +6,9 @@ check the agent against the contract rather than against the master's implementa
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,6 @@ from typing import Any
 import aiohttp
 import pytest
 from agent_support import (
-    FAKE_ENGINE,
     FAKE_ENGINE_ENV,
     MASTER_URI,
     Pki,
@@ -24,6 +23,7 @@ from agent_support import (
     client_context,
     issue,
     make_ca,
+    make_fake_engine,
     make_identity,
     master_headers,
 )
@@ -33,7 +33,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from download_support import bus, hub, make_manager, manager, tiny_gguf  # noqa: F401
 
 from agent._config import AgentConfig, ExecutableEntry
-from agent.engines._executables import write_manifest
 from agent.http._server import AgentServer
 
 
@@ -88,13 +87,7 @@ def make_config(state_dir: Path, models_root: Path) -> Callable[..., AgentConfig
 @pytest.fixture
 def fake_engine(tmp_path: Path) -> ExecutableEntry:
     """A verified executable folder whose llama-server is a small Python HTTP server."""
-    folder = tmp_path / "runtimes" / "llama.cpp" / "fake-1"
-    folder.mkdir(parents=True)
-    script = folder / "llama-server"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_ENGINE)
-    script.chmod(0o755)
-    write_manifest(folder, name="llama.cpp", version="fake-1")
-    return ExecutableEntry(name="llama.cpp", version="fake-1", path=script, default=True)
+    return make_fake_engine(tmp_path)
 
 
 @pytest.fixture
@@ -144,3 +137,17 @@ def llama_server_exe() -> Path:
     if not path.is_file() or not (path.parent / "manifest.json").is_file():
         pytest.fail(f"MIRBAD_TEST_LLAMA_SERVER={value} is not a laid-out llama-server; {how}")
     return path
+
+
+@pytest.fixture
+def mirbad_logging() -> Iterator[None]:
+    """configure_logging replaces the ``mirbad`` logger's handlers: put them back after."""
+    logger = logging.getLogger("mirbad")
+    saved = (list(logger.handlers), logger.level, logger.propagate)
+    try:
+        yield
+    finally:
+        for handler in logger.handlers:
+            if handler not in saved[0]:
+                handler.close()
+        logger.handlers[:], logger.level, logger.propagate = saved

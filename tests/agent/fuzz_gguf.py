@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.weights._gguf import GgufInvalid, read_header, read_summary
+from agent.weights._gguf_checks import ARCH_KEYS, GENERAL_KEYS
 from tests.agent import gguf_corpus as corpus
 
 PARSE_LIMIT_S = 1.0
@@ -67,29 +68,8 @@ INTERESTING = (
     2**63,
     2**64 - 1,
 )
-KEYS = (
-    "general.architecture",
-    "general.alignment",
-    "general.file_type",
-    "split.count",
-    "split.no",
-    "split.tensors.count",
-    "tokenizer.ggml.tokens",
-    "llama.block_count",
-    "llama.context_length",
-    "llama.embedding_length",
-    "llama.attention.head_count",
-    "llama.attention.head_count_kv",
-    "llama.attention.key_length",
-    "llama.attention.value_length",
-    "llama.vocab_size",
-    "llama.attention.causal",
-    "llama.full_attention_interval",
-    "llama.ssm.state_size",
-    "llama.ssm.inner_size",
-    "x",
-    "",
-)
+# The keys the reader acts on (so mutations reach its rules), a stranger and an empty one.
+KEYS = (*sorted(GENERAL_KEYS), *(f"llama.{key}" for key in ARCH_KEYS), "x", "")
 NAMES = ("token_embd.weight", "output_norm.weight", "blk.0.attn_norm.weight", "blk.9.x", "n" * 64)
 
 

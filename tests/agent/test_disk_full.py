@@ -95,20 +95,6 @@ def fill(disk: Path, leave: int = 0) -> Path:
 
 
 @pytest.fixture
-def mirbad_logging() -> Iterator[None]:
-    """configure_logging replaces the ``mirbad`` logger's handlers: put them back after."""
-    logger = logging.getLogger("mirbad")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    try:
-        yield
-    finally:
-        for handler in logger.handlers:
-            if handler not in saved[0]:
-                handler.close()
-        logger.handlers[:], logger.level, logger.propagate = saved
-
-
-@pytest.fixture
 def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     with FakeHub() as fake:
         monkeypatch.setenv("HF_ENDPOINT", fake.url)

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,20 +32,6 @@ from protocol.logcap import Capped, LogLimits, copy_truncate, rotated_name
 pytestmark = pytest.mark.timeout(60)
 
 KIB = 1024
-
-
-@pytest.fixture
-def mirbad_logging() -> Iterator[None]:
-    """configure_logging replaces the ``mirbad`` logger's handlers: put them back after."""
-    logger = logging.getLogger("mirbad")
-    saved = (list(logger.handlers), logger.level, logger.propagate)
-    try:
-        yield
-    finally:
-        for handler in logger.handlers:
-            if handler not in saved[0]:
-                handler.close()
-        logger.handlers[:], logger.level, logger.propagate = saved
 
 
 def append(path: Path, data: bytes) -> None:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from asgiref.sync import sync_to_async
 
 from agent import AgentConfig, AgentServer
+from agent._config import ExecutableEntry
 from agent.identity._tls import generate_key_and_csr, load_identity, store_identity
 from nodes import services
 from nodes.models import Node
@@ -33,21 +36,36 @@ def _enroll(state_dir: Path) -> Node:
     return Node.objects.get(node_id="n1")
 
 
-@pytest.fixture
-async def enrolled(tmp_path: Path) -> AsyncIterator[Enrolled]:
+@contextlib.asynccontextmanager
+async def start_enrolled(
+    tmp_path: Path, *, executables: tuple[ExecutableEntry, ...] = (), **server: Any
+) -> AsyncIterator[Enrolled]:
+    """Node n1 enrolled through the master's services, its agent serving on a free port."""
     state = tmp_path / "state"
     node = await sync_to_async(_enroll)(state)
     config = AgentConfig(
-        node_id="n1", state_directory=state, models_root=tmp_path / "models", port=0
+        node_id="n1",
+        state_directory=state,
+        models_root=tmp_path / "models",
+        port=0,
+        executables=executables,
     )
     (tmp_path / "models").mkdir()
-    server = AgentServer(
-        config=config, identity=load_identity(state, node_id="n1"), heartbeat_interval=0.2
+    agent = AgentServer(
+        config=config,
+        identity=load_identity(state, node_id="n1"),
+        **{"heartbeat_interval": 0.2, **server},
     )
-    await server.start()
-    node.address = f"https://127.0.0.1:{server.port}"
+    await agent.start()
+    node.address = f"https://127.0.0.1:{agent.port}"
     await sync_to_async(node.save)()
     try:
-        yield Enrolled(node=node, server=server)
+        yield Enrolled(node=node, server=agent)
     finally:
-        await server.stop()
+        await agent.stop()
+
+
+@pytest.fixture
+async def enrolled(tmp_path: Path) -> AsyncIterator[Enrolled]:
+    async with start_enrolled(tmp_path) as running:
+        yield running

@@ -8,7 +8,6 @@ import asyncio
 import csv
 import datetime as dt
 import io
-import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,18 +19,14 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from rest_framework.test import APIClient
 
-from agent import AgentConfig, AgentServer
-from agent._config import ExecutableEntry
-from agent.engines._executables import write_manifest
-from agent.identity._tls import load_identity
 from models_registry.models import ModelDefinition, Placement
 from nodes import audit
 from nodes.models import AuditEvent, Node
 from nodes.monitor import NodeWorker
 from protocol.tinygguf import write_tiny_gguf
 from router import keys
-from tests.agent.agent_support import FAKE_ENGINE
-from tests.nodes.conftest import Enrolled, _enroll
+from tests.agent.agent_support import make_fake_engine
+from tests.nodes.conftest import Enrolled, start_enrolled
 
 PASSWORD = "pw-audit-operator-1"
 ADDRESS = "10.9.8.7"
@@ -40,38 +35,11 @@ ADDRESS = "10.9.8.7"
 @pytest.fixture
 async def serving(tmp_path: Path) -> AsyncIterator[Enrolled]:
     """An enrolled in-process agent whose llama-server is a small fake HTTP engine."""
-    folder = tmp_path / "runtimes" / "llama.cpp" / "fake-1"
-    folder.mkdir(parents=True)
-    script = folder / "llama-server"
-    script.write_text(f"#!{sys.executable}\n" + FAKE_ENGINE)
-    script.chmod(0o755)
-    write_manifest(folder, name="llama.cpp", version="fake-1")
-    state = tmp_path / "state"
-    node = await sync_to_async(_enroll)(state)
-    (tmp_path / "models").mkdir()
-    config = AgentConfig(
-        node_id="n1",
-        state_directory=state,
-        models_root=tmp_path / "models",
-        port=0,
-        executables=(
-            ExecutableEntry(name="llama.cpp", version="fake-1", path=script, default=True),
-        ),
-    )
-    server = AgentServer(
-        config=config,
-        identity=load_identity(state, node_id="n1"),
-        heartbeat_interval=0.2,
-        ready_poll_interval=0.1,
-        stop_grace_seconds=2.0,
-    )
-    await server.start()
-    node.address = f"https://127.0.0.1:{server.port}"
-    await sync_to_async(node.save)()
-    try:
-        yield Enrolled(node=node, server=server)
-    finally:
-        await server.stop()
+    engine = make_fake_engine(tmp_path)
+    async with start_enrolled(
+        tmp_path, executables=(engine,), ready_poll_interval=0.1, stop_grace_seconds=2.0
+    ) as running:
+        yield running
 
 
 def _run(fn: Callable[..., Any], *args: Any) -> Any:
