@@ -35,7 +35,7 @@ from backups.reader import Backup
 from core.errors import ServiceError
 from models_registry import services as model_services
 from models_registry.models import MemorySample, ModelDefinition, Placement
-from nodes import audit, fencing, master_store
+from nodes import audit, fencing, master_store, takeover
 from nodes import services as node_services
 from nodes.models import Node
 from nodes.pki import PkiError
@@ -477,7 +477,7 @@ def rebuild(backup: Backup, *, actor: str) -> dict[str, Any]:
         instance_id=(backup.master or {}).get("instanceId"),
     )
     # The agents may have seen a higher epoch since the backup: go above theirs too.
-    taken = node_services.takeover()
+    taken = takeover.takeover()
     audit.record(
         "master.rebuilt", actor=actor, subject=str(backup.created_at or "")[:60],
         backupEpoch=old_epoch, epoch=taken["epoch"], nodes=taken["nodes"],

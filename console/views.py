@@ -27,6 +27,7 @@ from models_registry import services as model_services
 from models_registry.models import ModelDefinition
 from nodes import operations, rotation, services, status_cache, telemetry
 from nodes import status as node_status
+from nodes import takeover as fencing_takeover
 from nodes.models import Node
 from nodes.status_cache import NodeStatus
 from router.recent import recent as recent_requests
@@ -361,7 +362,7 @@ def node_action(request: HttpRequest, node_id: str, action: str) -> HttpResponse
 @require_POST
 def takeover(request: HttpRequest) -> HttpResponse:
     try:
-        services.takeover()
+        fencing_takeover.takeover()
     except ServiceError as exc:
         messages.error(request, exc.message)
     return redirect("overview")

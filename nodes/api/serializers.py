@@ -227,7 +227,7 @@ class NodeListSerializer(serializers.Serializer):
 
 
 class TakeoverSerializer(serializers.Serializer):
-    """What the explicit fencing takeover did (nodes.services.takeover)."""
+    """What the explicit fencing takeover did (nodes.takeover.takeover)."""
 
     at = serializers.CharField()
     previousEpoch = serializers.IntegerField(allow_null=True)

@@ -18,7 +18,7 @@ from rest_framework.response import Response
 
 from core.api_serializers import INT_OR_EMPTY, errors, parse
 from core.errors import ServiceError
-from nodes import audit, rotation, services, status_cache
+from nodes import audit, rotation, services, status_cache, takeover
 from nodes import operations as master_operations
 from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
@@ -247,7 +247,7 @@ class TakeoverView(GenericAPIView):
 
     @extend_schema(request=None, responses={200: TakeoverSerializer, **errors(503)})
     def post(self, request: Request) -> Response:
-        return Response(services.takeover())
+        return Response(takeover.takeover())
 
 
 @extend_schema(tags=["model-folders"])

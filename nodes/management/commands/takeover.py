@@ -10,7 +10,7 @@ from typing import Any
 
 from django.core.management.base import BaseCommand
 
-from nodes import audit, services
+from nodes import audit, takeover
 
 
 class Command(BaseCommand):
@@ -18,5 +18,5 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         with audit.acting_as("manage.py takeover", "local"):
-            record = services.takeover()
+            record = takeover.takeover()
         self.stdout.write(json.dumps(record, indent=2))
