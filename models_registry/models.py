@@ -50,6 +50,14 @@ class ModelDefinition(models.Model):
     # The last estimate computed from the GGUF header: breakdown, header facts, when.
     estimate = models.JSONField(default=dict, blank=True)
     desired_state = models.CharField(max_length=16, choices=Desired.choices, default="stopped")
+    # Serving policy (docs/operator-guide.md, "Serving"): load on demand, idle unload,
+    # pinned (never unloaded to make room), and the fair queue's bounds (null: defaults).
+    load_on_demand = models.BooleanField(default=False)
+    idle_unload_seconds = models.PositiveIntegerField(null=True, blank=True)
+    load_timeout_seconds = models.PositiveIntegerField(default=300)
+    pinned = models.BooleanField(default=False)
+    queue_max_length = models.PositiveIntegerField(null=True, blank=True)
+    queue_timeout_seconds = models.PositiveIntegerField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -58,6 +66,25 @@ class ModelDefinition(models.Model):
 
     def __str__(self) -> str:
         return self.served_name
+
+
+class Route(models.Model):
+    """A stable name applications call, pointing at served names in order of preference.
+
+    The router uses the first target that can take the request now and falls back
+    to the next (router.routing). A route's name never equals a served name.
+    """
+
+    name = models.CharField(max_length=200, unique=True)
+    targets = models.JSONField(default=list, help_text="Served names, first preferred")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} -> {', '.join(self.targets)}"
 
 
 class Placement(models.Model):

@@ -43,7 +43,7 @@ from router.keys import KeyInfo
 from router.limits import Limiter
 from router.recent import recent as recent_requests
 from router.relay import ClientGone, Receive, Send, WholeReader, stream, tee
-from router.routing import Replica, RoutingTable
+from router.routing import Replica, Route, RoutingTable
 from router.usage import UsageMeter
 
 log = logging.getLogger("mirbad.router")
@@ -301,38 +301,63 @@ class RouterApp:
         name = data["model"]
         if not key.allows_model(name):
             raise V1Error(403, "model_not_allowed", f"This API key may not use the model '{name}'.")
-        route = await self.table.route(name)
-        if route is None:
+        candidates = await self.table.candidates(name)
+        if not candidates:
             raise errors.model_not_found(name)
-        request.model = route.served_name
-        prepared = transform.prepare(
-            path, body, emulate_dimensions=route.emulate_dimensions, data=data
-        )
+        request.model = candidates[0].served_name
         ticket = await self.limiter().admit(key)
         usage: tuple[int, int] | None = None
         metrics.inc_in_flight(name)
         try:
-            tried: set[str] = set()
-            for attempt in range(2):
-                replica = await self.table.pick(route, exclude=tried)
-                tried.add(replica.instance_id)
-                try:
-                    usage = await self._proxy(scope, receive, send, replica, headers, prepared,
-                                              request)  # fmt: skip
-                    return
-                except _RetryableBeforeFirstByte as exc:
-                    if attempt == 1 or len(route.replicas) <= len(tried):
-                        raise exc.error from None
-                    log.info("Retrying %s on another replica: %s", name, exc.error.message)
-            raise errors.model_not_ready(name)
+            usage = await self._serve(scope, receive, send, key, name, candidates, headers,
+                                      body, data, request)  # fmt: skip
         finally:
             metrics.dec_in_flight(name)
             prompt, completion = usage or request.usage or (0, 0)
             await self.limiter().release(ticket, tokens=prompt + completion)
-            self.meter.record(key, name, prompt_tokens=prompt, completion_tokens=completion)
-            request.key, request.metered_as = key, name
+            self.meter.record(
+                key, request.model, prompt_tokens=prompt, completion_tokens=completion
+            )
+            request.key, request.metered_as = key, request.model
             if usage or request.usage:
-                metrics.add_tokens(name, key.prefix, prompt, completion)
+                metrics.add_tokens(request.model, key.prefix, prompt, completion)
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        key: KeyInfo,
+        name: str,
+        candidates: list[Route],
+        headers: dict[bytes, bytes],
+        body: bytes,
+        data: dict[str, Any],
+        request: _Request,
+    ) -> tuple[int, int] | None:
+        """Serve one request on the first candidate that can take it; returns the usage.
+
+        ``candidates`` is one served name's route, or an alias's targets in order
+        (router.aliases). Per candidate: a replica from the fair queue (router.queue),
+        then the proxy; a failure before the first byte tries another replica.
+        """
+        route = candidates[0]
+        request.model = route.served_name
+        prepared = transform.prepare(
+            scope["path"], body, emulate_dimensions=route.emulate_dimensions, data=data
+        )
+        tried: set[str] = set()
+        for attempt in range(2):
+            replica = await self.table.pick(route, exclude=tried)
+            tried.add(replica.instance_id)
+            try:
+                return await self._proxy(scope, receive, send, replica, headers, prepared,
+                                         request)  # fmt: skip
+            except _RetryableBeforeFirstByte as exc:
+                if attempt == 1 or len(route.replicas) <= len(tried):
+                    raise exc.error from None
+                log.info("Retrying %s on another replica: %s", name, exc.error.message)
+        raise errors.model_not_ready(name)
 
     async def _metrics(self, send: Send, key: Any) -> None:
         """Prometheus text: this web process's router families and the fleet's

@@ -38,6 +38,24 @@ class ApiKey(models.Model):
     concurrency_limit = models.PositiveIntegerField(
         null=True, blank=True, validators=[MinValueValidator(1)], help_text="Requests at once"
     )
+    # The fair queue (router.queue): higher goes first; same priority is round robin.
+    priority = models.IntegerField(default=0, help_text="Queue priority; higher is served first")
+    queue_timeout_seconds = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1)],
+        help_text="Longest wait in a model's queue; null: the model's",
+    )
+    # Token budgets (router.budgets), per calendar day and month in budget_timezone.
+    daily_token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Tokens per day"
+    )
+    monthly_token_budget = models.PositiveBigIntegerField(
+        null=True, blank=True, validators=[MinValueValidator(1)], help_text="Tokens per month"
+    )
+    budget_timezone = models.CharField(
+        max_length=64, default="UTC", help_text="IANA zone of the budget's day and month"
+    )
 
     class Meta:
         ordering = ["-created_at"]

@@ -51,6 +51,14 @@ class Route:
     served_name: str
     replicas: tuple[Replica, ...]
     emulate_dimensions: bool = False  # a llama.cpp embedding model (docs/operator-guide.md, "/v1")
+    # Serving policy (docs/operator-guide.md, "Serving"): each replica takes at most
+    # ``capacity`` requests at once (llama.cpp's parallel slots, vLLM's max_num_seqs);
+    # the rest wait in the model's fair queue (router.queue).
+    capacity: int = 1
+    queue_max: int | None = None  # None: MIRBAD_QUEUE_MAX
+    queue_timeout: float | None = None  # None: MIRBAD_QUEUE_TIMEOUT
+    load_on_demand: bool = False
+    load_timeout: float = 300.0
 
 
 class RoutingTable:
@@ -99,6 +107,12 @@ class RoutingTable:
 
     async def route(self, served_name: str) -> Route | None:
         return await self._cached(self._routes, served_name, ROUTE_TTL, _load_route)
+
+    async def candidates(self, name: str) -> list[Route]:
+        """What a client's ``model`` names, in order of preference: the served name's
+        route alone, or an alias's targets (router.aliases), empty when unknown."""
+        route = await self.route(name)
+        return [route] if route is not None else []
 
     async def _cached(
         self,
@@ -295,7 +309,23 @@ def _load_route(served_name: str) -> Route | None:
         served_name=model.served_name,
         replicas=replicas,
         emulate_dimensions=emulate,
+        capacity=_capacity(model),
+        queue_max=model.queue_max_length,
+        queue_timeout=model.queue_timeout_seconds,
+        load_on_demand=model.load_on_demand,
+        load_timeout=float(model.load_timeout_seconds),
     )
+
+
+def _capacity(model: ModelDefinition) -> int:
+    """Requests one replica serves at once: llama.cpp's ``parallel``, vLLM's
+    ``max_num_seqs`` (their defaults when unset, as the engine would use)."""
+    settings = model.settings or {}
+    if model.runtime == ModelDefinition.Runtime.VLLM:
+        value = settings.get("max_num_seqs", 64)
+    else:
+        value = settings.get("parallel", 1)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def _all_served_names(_: str = "") -> list[str]:
