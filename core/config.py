@@ -99,6 +99,14 @@ class MasterConfig:
     backup_check_seconds: float = 60.0
     # The audit log (nodes/audit.py) keeps events this many days; beat prunes it daily.
     audit_keep_days: int = 365
+    # The fair queue (router/queue.py): requests waiting for a free slot per served
+    # name, at most ``queue_max`` of them, each at most ``queue_timeout`` seconds;
+    # a model or a key may set its own (docs/operator-guide.md, "Serving").
+    queue_max: int = 512
+    queue_timeout: float = 60.0
+    # Usage rows per hour are kept this many days; the day and month rollups stay
+    # (router/usage.py, docs/operator-guide.md, "Budgets").
+    usage_hourly_keep_days: int = 400
     # The key that seals the master's private keys in the database (nodes/master_store.py,
     # D80): the same value on every master host. None: ``DATA_PATH/master.key``, made
     # once by the first start of a single-host master.
@@ -272,6 +280,11 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         backup_include_ca=env_bool("MIRBAD_BACKUP_INCLUDE_CA", True, env=env),
         backup_check_seconds=env_float("MIRBAD_BACKUP_CHECK_SECONDS", 60.0, minimum=1.0, env=env),
         audit_keep_days=env_int("MIRBAD_AUDIT_KEEP_DAYS", 365, minimum=1, maximum=36_500, env=env),
+        queue_max=env_int("MIRBAD_QUEUE_MAX", 512, minimum=0, maximum=1_000_000, env=env),
+        queue_timeout=env_float("MIRBAD_QUEUE_TIMEOUT", 60.0, minimum=0.1, env=env),
+        usage_hourly_keep_days=env_int(
+            "MIRBAD_USAGE_HOURLY_KEEP_DAYS", 400, minimum=1, maximum=36_500, env=env
+        ),
         master_key=env_secret("MIRBAD_MASTER_KEY", env=env),
     )
     if config.master_key is not None and len(config.master_key) < 32:
