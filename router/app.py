@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -348,16 +349,26 @@ class RouterApp:
         )
         tried: set[str] = set()
         for attempt in range(2):
-            replica = await self.table.pick(route, exclude=tried)
-            tried.add(replica.instance_id)
-            try:
-                return await self._proxy(scope, receive, send, replica, headers, prepared,
-                                         request)  # fmt: skip
-            except _RetryableBeforeFirstByte as exc:
-                if attempt == 1 or len(route.replicas) <= len(tried):
-                    raise exc.error from None
-                log.info("Retrying %s on another replica: %s", name, exc.error.message)
+            async with self._slot(route, key, tried, receive, request) as replica:
+                tried.add(replica.instance_id)
+                try:
+                    return await self._proxy(scope, receive, send, replica, headers, prepared,
+                                             request)  # fmt: skip
+                except _RetryableBeforeFirstByte as exc:
+                    error = exc
+            if attempt == 1 or len(route.replicas) <= len(tried):
+                raise error.error from None
+            log.info("Retrying %s on another replica: %s", name, error.error.message)
         raise errors.model_not_ready(name)
+
+    @contextlib.asynccontextmanager
+    async def _slot(
+        self, route: Route, key: KeyInfo, tried: set[str], receive: Receive, request: _Request
+    ) -> AsyncIterator[Replica]:
+        """A replica of ``route`` with a free slot, held for the body of the ``with``:
+        at once when one is free, else after a wait in the model's fair queue
+        (router.queue)."""
+        yield await self.table.pick(route, exclude=tried)
 
     async def _metrics(self, send: Send, key: Any) -> None:
         """Prometheus text: this web process's router families and the fleet's
