@@ -16,7 +16,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -349,26 +349,29 @@ class RouterApp:
         )
         tried: set[str] = set()
         for attempt in range(2):
-            async with self._slot(route, key, tried, receive, request) as replica:
-                tried.add(replica.instance_id)
-                try:
-                    return await self._proxy(scope, receive, send, replica, headers, prepared,
-                                             request)  # fmt: skip
-                except _RetryableBeforeFirstByte as exc:
-                    error = exc
-            if attempt == 1 or len(route.replicas) <= len(tried):
-                raise error.error from None
-            log.info("Retrying %s on another replica: %s", name, error.error.message)
+            replica, release = await self._slot(route, key, tried, receive, request)
+            tried.add(replica.instance_id)
+            try:
+                return await self._proxy(scope, receive, send, replica, headers, prepared,
+                                         request)  # fmt: skip
+            except _RetryableBeforeFirstByte as exc:
+                if attempt == 1 or len(route.replicas) <= len(tried):
+                    raise exc.error from None
+                log.info("Retrying %s on another replica: %s", name, exc.error.message)
+            finally:
+                release()
         raise errors.model_not_ready(name)
 
-    @contextlib.asynccontextmanager
     async def _slot(
         self, route: Route, key: KeyInfo, tried: set[str], receive: Receive, request: _Request
-    ) -> AsyncIterator[Replica]:
-        """A replica of ``route`` with a free slot, held for the body of the ``with``:
-        at once when one is free, else after a wait in the model's fair queue
-        (router.queue)."""
-        yield await self.table.pick(route, exclude=tried)
+    ) -> tuple[Replica, Callable[[], None]]:
+        """A replica of ``route`` with a free slot, and the call that frees the slot
+        (called exactly once, when the answer ended): at once when a slot is free, else
+        after a wait in the model's fair queue (router.queue).
+
+        Not a context manager: V1Error is a frozen dataclass, and contextlib's exit
+        would fail assigning its traceback."""
+        return await self.table.pick(route, exclude=tried), _nothing
 
     async def _metrics(self, send: Send, key: Any) -> None:
         """Prometheus text: this web process's router families and the fleet's
@@ -649,6 +652,10 @@ def _parse(body: bytes) -> dict[str, Any]:
         # can hold.
         raise V1Error(400, "invalid_request", f"'model' {NOT_TEXT}.", param="model")
     return data
+
+
+def _nothing() -> None:
+    pass
 
 
 def _ms(started: float) -> bytes:
