@@ -30,12 +30,26 @@ STACK_TIMEOUT = 240.0
 
 
 class MirbadStack:
-    """``mirbad up`` on free ports in ``data``, with the stub as its llama.cpp executable."""
+    """``mirbad up`` on free ports in ``data``, with the stub as its llama.cpp executable.
 
-    def __init__(self, procs: _procs.Processes, data: Path, *, external: bool) -> None:
+    ``env``: MIRBAD_* settings for the stack (the others are not passed on);
+    ``stub_slots``: the stub honours the model's ``parallel`` as an engine does
+    (bench/stub_engine.py, ``--stub-slots``) instead of answering everything at once."""
+
+    def __init__(
+        self,
+        procs: _procs.Processes,
+        data: Path,
+        *,
+        external: bool,
+        env: dict[str, str] | None = None,
+        stub_slots: bool = False,
+    ) -> None:
         self.procs = procs
         self.data = data
         self.external = external
+        self.env = dict(env or {})
+        self.stub_slots = stub_slots
         self.port = _procs.free_port()
         self.lines: list[str] = []
         self.child: _procs.Child | None = None
@@ -56,7 +70,14 @@ class MirbadStack:
         folder.mkdir(parents=True)
         script = folder / "llama-server"
         source = (ROOT / "bench" / "stub_engine.py").read_text()
-        script.write_text(f"#!{sys.executable}\n" + source)
+        if self.stub_slots:
+            # The agent passes the engine no flag of ours and only a few variables: a
+            # wrapper adds the flag (exec: the agent's pid is the stub's).
+            stub = folder / "stub_engine.py"
+            stub.write_text(source)
+            script.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{stub}" --stub-slots "$@"\n')
+        else:
+            script.write_text(f"#!{sys.executable}\n" + source)
         script.chmod(0o755)
         write_manifest(folder, name="llama.cpp", version=STUB_VERSION)
         models = self.data / "models" / MODEL
@@ -83,6 +104,7 @@ class MirbadStack:
                 "MIRBAD_ENROLL_PORT": str(_procs.free_port()),
                 "MIRBAD_AGENT_PORT": str(_procs.free_port()),
                 "PYTHONUNBUFFERED": "1",
+                **self.env,
             }
         )
         say(f"starting MirbadLLM (mirbad up) on port {self.port}, data in {self.data}")
@@ -151,7 +173,7 @@ class MirbadStack:
             except ValueError:
                 return exc.code, raw.decode(errors="replace")
 
-    def start_model(self) -> dict[str, Any]:
+    def start_model(self, parallel: int = 256) -> dict[str, Any]:
         status, model = self.api(
             "POST",
             "/api/models",
@@ -161,8 +183,9 @@ class MirbadStack:
                 "sourceFile": f"{MODEL}.gguf",
                 # The stub answers every request at once; its slots bound the agent's
                 # idle pool per engine (D39), so give it as many as the bench's
-                # highest concurrency.
-                "settings": {"context_size": 512, "parallel": 256, "gpu_layers": 0},
+                # highest concurrency (bench/router.py). With ``stub_slots`` they are
+                # the engine's slots.
+                "settings": {"context_size": 512, "parallel": parallel, "gpu_layers": 0},
                 "node": "local",
             },
         )

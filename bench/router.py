@@ -79,6 +79,11 @@ class Interrupted(Exception):
     pass
 
 
+def _stack_env() -> dict[str, str]:
+    """MIRBAD_QUEUE from this environment, for a run with the fair queue off."""
+    return {k: os.environ[k] for k in ("MIRBAD_QUEUE",) if k in os.environ}
+
+
 # -- facts about the machine ------------------------------------------------------------
 
 
@@ -251,7 +256,7 @@ def run(args: argparse.Namespace, procs: _procs.Processes, work: Path) -> dict[s
     if "nginx" in paths and tools.get("nginx") is None:
         paths["nginx"].skip("nginx is not installed and could not be installed")
 
-    stack = MirbadStack(procs, work / "var", external=args.external_services)
+    stack = MirbadStack(procs, work / "var", external=args.external_services, env=_stack_env())
     stack.prepare()
     try:
         return _run_with_stack(args, procs, work, stack, paths, tools, litellm_exe, started, notes)

@@ -17,6 +17,22 @@ else is accepted and ignored) and answers, on HTTP/1.1 with keep-alive:
   of the stub gets one chunk out per turn, as an engine decoding all its slots at
   once sends one token per stream per step.
 
+Engine slots, only when asked for (``--stub-slots``; the agent passes no such flag,
+so bench/fair_queue.py launches the stub through a wrapper script that adds it): then the
+stub honours llama-server's own ``-np N``/``--parallel N`` (4, llama-server's
+automatic value, when absent) and works on at most N completions at once; the others
+wait inside it, first in first out, as llama-server defers the tasks beyond its
+slots. A completion's service time is its chunks, ``x_stub_chunk_ms``
+apart (a non-streamed answer then waits as long before it is sent). A client that
+disconnects while its completion waits leaves the line. Without the flag every
+completion is served at once, as before (bench/router.py relies on that).
+
+- ``GET /stub/stats``: the slot limit (null without the flag), the completions
+  processing and waiting now, the most held at once (processing plus waiting) and the
+  most processing at once since the last reset, the completions served, and the
+  slot-seconds in use (``busy_slot_seconds``) over the ``seconds`` since the reset;
+- ``POST /stub/stats/reset``: the same, then the maxima restart from what is held now.
+
 Nothing is computed per request beyond parsing the JSON body, so the stub is the same
 constant cost behind every path the benchmark compares. It is a raw asyncio protocol
 with httptools' parser on uvloop (both pinned in requirements.txt); it runs with the
@@ -33,6 +49,7 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import httptools
@@ -47,6 +64,9 @@ PACE_FIELD = "x_stub_chunk_ms"
 # cost is its chunks, not its request.
 CHUNKS_FIELD = "x_stub_chunks"
 MAX_LONG_CHUNKS = 100_000
+# Engine slots (see the module's docstring): off unless this flag asks for them.
+SLOTS_FLAG = "--stub-slots"
+AUTO_SLOTS = 4  # llama-server's value for -np when it is not given
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 401: b"Unauthorized", 404: b"Not Found"}
 
@@ -148,6 +168,83 @@ class Answers:
         return self._event({**self.base, "choices": [], "usage": usage})
 
 
+class Slots:
+    """The engine's slots: at most ``limit`` completions at once (None: no limit), the
+    rest wait in arrival order; and the most ever held, for ``/stub/stats``."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.active = 0
+        self.waiting: deque[Callable[[], None]] = deque()
+        self.max_held = 0
+        self.max_active = 0
+        self.served = 0
+        # Slot-seconds in use since the reset: the engine's utilization, and with it
+        # how long slots sat empty between two completions.
+        self.busy = 0.0
+        self.since = self.changed = time.monotonic()
+
+    def _account(self) -> None:
+        now = time.monotonic()
+        self.busy += self.active * (now - self.changed)
+        self.changed = now
+
+    def enter(self, start: Callable[[], None]) -> None:
+        """Run ``start`` now if a slot is free, else when one frees (FIFO)."""
+        if self.limit is None or self.active < self.limit:
+            self.take()
+            start()
+        else:
+            self.waiting.append(start)
+            self.max_held = max(self.max_held, self.active + len(self.waiting))
+
+    def take(self) -> None:
+        """A completion starts now (a slot is free, or there is no limit)."""
+        self._account()
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.max_held = max(self.max_held, self.active + len(self.waiting))
+
+    def drop(self, start: Callable[[], None]) -> None:
+        """A waiting completion whose client left: out of the line."""
+        try:
+            self.waiting.remove(start)
+        except ValueError:
+            pass
+
+    def leave(self) -> None:
+        """A completion ended: its slot goes to the head of the line."""
+        self._account()
+        self.active -= 1
+        self.served += 1
+        if self.waiting and (self.limit is None or self.active < self.limit):
+            start = self.waiting.popleft()
+            self.take()
+            start()
+
+    def stats(self) -> dict[str, Any]:
+        self._account()
+        return {
+            "limit": self.limit,
+            "processing": self.active,
+            "waiting": len(self.waiting),
+            "max_held": self.max_held,
+            "max_processing": self.max_active,
+            "served": self.served,
+            "busy_slot_seconds": round(self.busy, 6),
+            "seconds": round(self.changed - self.since, 6),
+        }
+
+    def reset(self) -> dict[str, Any]:
+        before = self.stats()
+        self.max_held = self.active + len(self.waiting)
+        self.max_active = self.active
+        self.served = 0
+        self.busy = 0.0
+        self.since = self.changed
+        return before
+
+
 class Request:
     __slots__ = ("auth", "body", "keep_alive", "method", "url")
 
@@ -160,9 +257,11 @@ class Request:
 
 
 class StubProtocol(asyncio.Protocol):
-    def __init__(self, answers: Answers, key: bytes | None) -> None:
+    def __init__(self, answers: Answers, key: bytes | None, slots: Slots) -> None:
         self.answers = answers
         self.key = key
+        self.slots = slots
+        self.waiting: Callable[[], None] | None = None  # this connection's place in line
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.current = Request()
@@ -184,6 +283,9 @@ class StubProtocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.waiting is not None:
+            self.slots.drop(self.waiting)
+            self.waiting = None
 
     # -- httptools callbacks ------------------------------------------------------------
 
@@ -263,27 +365,70 @@ class StubProtocol(asyncio.Protocol):
                     400, b'{"error":{"message":"invalid JSON"}}', keep_alive=req.keep_alive
                 )
                 return
-            if data.get("stream") is True:
-                self._stream(req, data)
-            elif path == b"/v1/chat/completions":
-                self._respond(200, answers.chat, keep_alive=req.keep_alive)
+            # Busy until the completion ends, waiting for a slot included: the next
+            # request on this connection is read after it.
+            self.streaming = True
+            if self.slots.limit is None:
+                # No slots: at once, as before (what bench/router.py measures against).
+                self.slots.take()
+                self._complete(req, path, data, drain=False)
+                return
+
+            def start() -> None:
+                self.waiting = None
+                self._complete(req, path, data)
+
+            self.waiting = start
+            self.slots.enter(start)
+        elif path == b"/stub/stats":
+            if req.method == b"GET":
+                self._respond(200, _json(self.slots.stats()), keep_alive=req.keep_alive)
             else:
-                self._respond(200, answers.completion, keep_alive=req.keep_alive)
+                self._respond(404, b'{"error":{"message":"not found"}}', keep_alive=req.keep_alive)
+        elif req.method == b"POST" and path == b"/stub/stats/reset":
+            self._respond(200, _json(self.slots.reset()), keep_alive=req.keep_alive)
         else:
             self._respond(404, b'{"error":{"message":"not found"}}', keep_alive=req.keep_alive)
 
+    def _complete(
+        self, req: Request, path: bytes, data: dict[str, Any], *, drain: bool = True
+    ) -> None:
+        """A completion, once it holds a slot; the slot is left when it ends.
+        ``drain=False`` when called from ``_drain``, which goes on by itself."""
+        if self.transport is None:  # gone meanwhile
+            self._done(drain=drain)
+            return
+        if data.get("stream") is True:
+            self._stream(req, data)
+            return
+        body = self.answers.chat if path == b"/v1/chat/completions" else self.answers.completion
+        if self.slots.limit is None:
+            self._respond(200, body, keep_alive=req.keep_alive)
+            self._done(drain=drain)
+            return
+        tokens, pace = _shape(data)
+        asyncio.get_running_loop().create_task(
+            self._send_later(req.keep_alive, body, (tokens - 1) * pace)
+        )
+
+    async def _send_later(self, keep_alive: bool, body: bytes, delay: float) -> None:
+        """A non-streamed answer after its generation time (slot mode only)."""
+        try:
+            await asyncio.sleep(delay)
+            self._respond(200, body, keep_alive=keep_alive)
+        finally:
+            self._done()
+
+    def _done(self, *, drain: bool = True) -> None:
+        self.slots.leave()
+        self.streaming = False
+        if drain and self.transport is not None:
+            self._drain()
+
     def _stream(self, req: Request, data: dict[str, Any]) -> None:
-        tokens = data.get("max_tokens")
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
-            tokens = DEFAULT_CHUNKS
-        tokens = min(tokens, MAX_CHUNKS)
-        long = data.get(CHUNKS_FIELD)
-        if isinstance(long, int) and not isinstance(long, bool) and 1 <= long <= MAX_LONG_CHUNKS:
-            tokens = long
+        tokens, pace = _shape(data)
         options = data.get("stream_options")
         usage = isinstance(options, dict) and options.get("include_usage") is True
-        gap = data.get(PACE_FIELD)
-        pace = gap / 1000 if isinstance(gap, int | float) and 0 < gap <= 1000 else 0.0
         self.streaming = True
         asyncio.get_running_loop().create_task(
             self._send_stream(req.keep_alive, tokens, usage, pace)
@@ -315,9 +460,21 @@ class StubProtocol(asyncio.Protocol):
             if not keep_alive:
                 self._close()
         finally:
-            self.streaming = False
-            if self.transport is not None:
-                self._drain()
+            self._done()
+
+
+def _shape(data: dict[str, Any]) -> tuple[int, float]:
+    """A completion's chunks and the seconds between two of them."""
+    tokens = data.get("max_tokens")
+    if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1:
+        tokens = DEFAULT_CHUNKS
+    tokens = min(tokens, MAX_CHUNKS)
+    long = data.get(CHUNKS_FIELD)
+    if isinstance(long, int) and not isinstance(long, bool) and 1 <= long <= MAX_LONG_CHUNKS:
+        tokens = long
+    gap = data.get(PACE_FIELD)
+    pace = gap / 1000 if isinstance(gap, int | float) and 0 < gap <= 1000 else 0.0
+    return tokens, pace
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -326,16 +483,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--alias", "-a", default="stub")
     parser.add_argument("--version", action="store_true")
+    parser.add_argument("-np", "--parallel", type=int, default=None)
+    parser.add_argument(SLOTS_FLAG, action="store_true", dest="stub_slots")
     args, _ignored = parser.parse_known_args(argv)
     return args
+
+
+def slot_limit(args: argparse.Namespace) -> int | None:
+    """The engine's slots when asked for (see the module's docstring), else None."""
+    if not args.stub_slots:
+        return None
+    return args.parallel if args.parallel is not None and args.parallel >= 1 else AUTO_SLOTS
 
 
 async def serve(args: argparse.Namespace) -> None:
     key = os.environ.get("LLAMA_API_KEY")
     answers = Answers(args.alias)
+    slots = Slots(slot_limit(args))
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: StubProtocol(answers, key.encode() if key else None),
+        lambda: StubProtocol(answers, key.encode() if key else None, slots),
         host=args.host,
         port=args.port,
         backlog=1024,
@@ -344,7 +511,8 @@ async def serve(args: argparse.Namespace) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"stub engine: listening on {args.host}:{args.port} as {args.alias!r}", flush=True)
+    limit = f", {slots.limit} slots" if slots.limit is not None else ""
+    print(f"stub engine: listening on {args.host}:{args.port} as {args.alias!r}{limit}", flush=True)
     async with server:
         await stop.wait()
 

@@ -11,7 +11,7 @@ from django.utils.cache import add_never_cache_headers
 from django.views.decorators.http import require_POST
 
 from console.views import operator_required
-from router import keys
+from router import budgets, keys
 from router.models import SCOPES, ApiKey
 
 DEFAULT_SCOPES = ["chat", "completions", "embeddings", "rerank"]
@@ -37,6 +37,14 @@ class KeyForm(forms.Form):
     rpm_limit = forms.IntegerField(required=False, min_value=1, label="Requests per minute")
     tpm_limit = forms.IntegerField(required=False, min_value=1, label="Tokens per minute")
     concurrency_limit = forms.IntegerField(required=False, min_value=1, label="Concurrent requests")
+    # Bounds and zone names are router.keys' to judge, so the page words them as the API.
+    priority = forms.IntegerField(required=False, label="Queue priority", initial=0)
+    queue_timeout_seconds = forms.IntegerField(required=False, label="Queue timeout (s)")
+    daily_token_budget = forms.IntegerField(required=False, label="Tokens per day")
+    monthly_token_budget = forms.IntegerField(required=False, label="Tokens per month")
+    budget_timezone = forms.CharField(
+        required=False, max_length=64, label="Budget time zone", initial="UTC"
+    )
 
     def field_for(self, service_field: str) -> str | None:
         """The form field a service refusal is about (None: the form as a whole)."""
@@ -53,6 +61,11 @@ class KeyForm(forms.Form):
             "rpm_limit": data["rpm_limit"],
             "tpm_limit": data["tpm_limit"],
             "concurrency_limit": data["concurrency_limit"],
+            "priority": data["priority"],
+            "queue_timeout_seconds": data["queue_timeout_seconds"],
+            "daily_token_budget": data["daily_token_budget"],
+            "monthly_token_budget": data["monthly_token_budget"],
+            "budget_timezone": data["budget_timezone"] or None,
         }
 
 
@@ -83,7 +96,10 @@ def keys_page(request: HttpRequest) -> HttpResponse:
     else:
         return HttpResponseNotAllowed(["GET", "POST"])
     context["form"] = form
-    context["keys"] = list(ApiKey.objects.all())
+    rows = list(ApiKey.objects.all())
+    states = budgets.status(rows)
+    # (key, its budgets or None): the template shows use and the 80 % warning.
+    context["keys"] = [(row, states.get(row.pk)) for row in rows]
     context["base_url"] = request.build_absolute_uri("/v1")
     response = render(request, "console/keys.html", context, status=400 if form.errors else 200)
     if context.get("created"):

@@ -126,6 +126,16 @@ class ModelForm(forms.Form):
     )
     auto_start = forms.BooleanField(required=False)
     memory_budget_gib = forms.FloatField(required=False)
+    # Serving policy: empty number fields are null (services.SERVING_FIELDS says what that
+    # means for each).
+    load_on_demand = forms.BooleanField(required=False)
+    idle_unload_seconds = forms.IntegerField(required=False)
+    load_timeout_seconds = forms.IntegerField(
+        required=False, initial=ModelDefinition._meta.get_field("load_timeout_seconds").default
+    )
+    pinned = forms.BooleanField(required=False)
+    queue_max_length = forms.IntegerField(required=False)
+    queue_timeout_seconds = forms.IntegerField(required=False)
 
     def clean(self) -> dict[str, Any] | None:
         # Only the chosen runtime's section goes to the services, so what the other one
@@ -191,6 +201,14 @@ class ModelForm(forms.Form):
         out["extra_args"] = _lines(data.get("extra_args"))
         return out
 
+    def serving(self) -> dict[str, Any]:
+        """The serving policy's fields as the services take them; an empty load timeout
+        (it has no null) keeps the saved value or the default."""
+        out = {name: self.cleaned_data.get(name) for name in services.SERVING_FIELDS}
+        if out["load_timeout_seconds"] is None:
+            del out["load_timeout_seconds"]
+        return out
+
     def budget_bytes(self) -> int | None:
         value = self.cleaned_data.get("memory_budget_gib")
         return None if value is None else round(value * GIB)
@@ -207,6 +225,7 @@ def initial_for(model: ModelDefinition) -> dict[str, Any]:
         "source_folder": model.source_folder,
         "source_file": model.source_file,
         "auto_start": model.auto_start,
+        **{name: getattr(model, name) for name in services.SERVING_FIELDS},
         "memory_budget_gib": (
             round(model.memory_budget_bytes / GIB, 3) if model.memory_budget_bytes else None
         ),
@@ -270,6 +289,7 @@ FIELD_NAMES = {
     "source_file": "source_file",
     "memoryBudgetBytes": "memory_budget_gib",
     "auto_start": "auto_start",
+    **{api: name for name, (api, _, _) in services.SERVING_FIELDS.items()},
     "repoId": "hf_repo",
     "revision": "hf_revision",
     "variant": "hf_variant",
@@ -430,6 +450,7 @@ def _editor(request: HttpRequest, model: ModelDefinition | None) -> HttpResponse
                 "settings": form.settings(),
                 "auto_start": form.cleaned_data["auto_start"],
                 "memory_budget_bytes": form.budget_bytes(),
+                **form.serving(),
                 "placements": placements,
             }
             hub = form.cleaned_data["source_kind"] == "huggingface"

@@ -21,6 +21,7 @@ from models_registry import drafts, kpis, lifecycle, services
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
 from nodes.status_cache import NodeStatus
+from router import queue as fair_queue
 
 ACTIONS = ("start", "stop", "restart", "delete")
 # The KPIs the page shows from the newest point of kpis.model_series (None: shown as a dash).
@@ -37,6 +38,7 @@ def model_row(
     statuses: dict[str, NodeStatus],
     flags: dict[int, Any],
     latest: dict[str, Any],
+    queued: tuple[int, float | None] | None = None,
 ) -> dict[str, Any]:
     """One model as the list and its row fragment render it.
 
@@ -82,6 +84,9 @@ def model_row(
         "flag_reason": flag.get("reason") or "",
         "running": latest.get("running"),
         "waiting": latest.get("waiting"),
+        # The router's fair queue (router.queue): waiting now, and the latest wait.
+        "queued": queued[0] if queued else 0,
+        "queue_wait_ms": queued[1] if queued else None,
         "desired": model.desired_state,
         "auto_start_note": model.auto_start_note,
     }
@@ -91,7 +96,11 @@ def _rows(models: list[ModelDefinition]) -> list[dict[str, Any]]:
     statuses = node_status.read_many(p.node for m in models for p in m.placements.all())
     flags = kpis.model_flags(models)
     latest = kpis.latest_many(models)
-    return [model_row(m, statuses, flags, dict(latest.get(m.pk) or {})) for m in models]
+    queues = fair_queue.snapshot([m.served_name for m in models])
+    return [
+        model_row(m, statuses, flags, dict(latest.get(m.pk) or {}), queues.get(m.served_name))
+        for m in models
+    ]
 
 
 def _get(model_id: int) -> ModelDefinition:
@@ -166,7 +175,8 @@ def model_page(request: HttpRequest, model_id: int) -> HttpResponse:
     model = _get(model_id)
     statuses = node_status.read_many(p.node for p in model.placements.all())
     latest = _latest(model)
-    row = model_row(model, statuses, kpis.model_flags([model]), latest)
+    queued = fair_queue.snapshot([model.served_name]).get(model.served_name)
+    row = model_row(model, statuses, kpis.model_flags([model]), latest, queued)
     replicas = _replicas(model, statuses)
     return render(
         request,

@@ -14,6 +14,7 @@ from console import (
     model_editor,
     model_views,
     node_views,
+    route_views,
     usage_views,
     views,
 )
@@ -53,6 +54,9 @@ urlpatterns = [
     path("models/<int:model_id>/history.json", model_views.model_history, name="model-history"),
     path("models/<int:model_id>/edit/", model_editor.model_edit, name="model-edit"),
     path("models/<int:model_id>/<str:action>/", model_views.model_action, name="model-action"),
+    path("routes/", route_views.routes_page, name="routes"),
+    path("routes/<int:route_id>/", route_views.route_edit, name="route-edit"),
+    path("routes/<int:route_id>/delete/", route_views.route_delete, name="route-delete"),
     path("usage/", usage_views.usage_page, name="usage"),
     path("audit/", audit_views.audit_page, name="audit"),
     path("keys/", key_views.keys_page, name="keys"),

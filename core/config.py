@@ -102,6 +102,7 @@ class MasterConfig:
     # The fair queue (router/queue.py): requests waiting for a free slot per served
     # name, at most ``queue_max`` of them, each at most ``queue_timeout`` seconds;
     # a model or a key may set its own (docs/operator-guide.md, "Serving").
+    queue_enabled: bool = True  # off: no slots counted, least-in-flight as before
     queue_max: int = 512
     queue_timeout: float = 60.0
     # Usage rows per hour are kept this many days; the day and month rollups stay
@@ -280,10 +281,11 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         backup_include_ca=env_bool("MIRBAD_BACKUP_INCLUDE_CA", True, env=env),
         backup_check_seconds=env_float("MIRBAD_BACKUP_CHECK_SECONDS", 60.0, minimum=1.0, env=env),
         audit_keep_days=env_int("MIRBAD_AUDIT_KEEP_DAYS", 365, minimum=1, maximum=36_500, env=env),
+        queue_enabled=env_bool("MIRBAD_QUEUE", True, env=env),
         queue_max=env_int("MIRBAD_QUEUE_MAX", 512, minimum=0, maximum=1_000_000, env=env),
         queue_timeout=env_float("MIRBAD_QUEUE_TIMEOUT", 60.0, minimum=0.1, env=env),
         usage_hourly_keep_days=env_int(
-            "MIRBAD_USAGE_HOURLY_KEEP_DAYS", 400, minimum=1, maximum=36_500, env=env
+            "MIRBAD_USAGE_HOURLY_KEEP_DAYS", 400, minimum=32, maximum=36_500, env=env
         ),
         master_key=env_secret("MIRBAD_MASTER_KEY", env=env),
     )

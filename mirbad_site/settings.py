@@ -212,9 +212,19 @@ CELERY_BEAT_SCHEDULE = {
         "task": "nodes.tasks.prune_audit_log",
         "schedule": 3600.0,
     },
+    "prune-usage-hours": {
+        "task": "router.tasks.prune_usage_hours",
+        "schedule": 3600.0,
+    },
     "scheduled-backup": {
         "task": "backups.tasks.scheduled_backup",
         "schedule": MIRBAD.backup_check_seconds,
+    },
+    # Idle unload (docs/operator-guide.md, "Load on demand and idle unload").
+    "unload-idle-models": {
+        "task": "router.tasks.unload_idle_models",
+        "schedule": 10.0,
+        "options": {"expires": 10.0},  # a busy worker skips a pass, not piles them up
     },
 }
 

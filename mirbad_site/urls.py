@@ -13,6 +13,7 @@ from backups.api import views as backup_api
 from console import login_views
 from mirbad_site import api_schema
 from models_registry.api import downloads as download_api
+from models_registry.api import routes as route_api
 from models_registry.api import views as model_api
 from nodes import monitor, status_cache
 from nodes.api import audit as audit_api
@@ -108,6 +109,9 @@ urlpatterns = [
         models_api.as_view({"get": "placement_suggestions"}),
     ),
     path("api/estimate-accuracy", model_api.EstimateAccuracyView.as_view()),
+    path("api/routes", route_api.RouteViewSet.as_view(_LIST_CREATE)),
+    # <path:>: a route's name may hold a '/' (as a served name may).
+    path("api/routes/<path:route>", route_api.RouteViewSet.as_view(_READ_CHANGE | _DELETE)),
     path("api/keys", keys_api.as_view(_LIST_CREATE)),
     path("api/keys/<int:key_id>", keys_api.as_view({"patch": "partial_update"} | _DELETE)),
     path("api/audit", audit_api.AuditList.as_view()),

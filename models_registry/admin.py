@@ -36,6 +36,7 @@ EDITABLE = (
     "settings",
     "auto_start",
     "memory_budget_bytes",
+    *services.SERVING_FIELDS,
 )
 # Where a changelist row keeps its summary, read for the whole page at once.
 _SUMMARY = "_admin_summary"
@@ -67,6 +68,11 @@ class ModelDefinitionForm(forms.ModelForm):
         required=False, min_value=1, help_text="Bytes; empty for the estimate."
     )
 
+    # Empty: the saved value or the default (the field has no null).
+    load_timeout_seconds = forms.IntegerField(
+        required=False, help_text="Seconds a request that started the model waits for Ready."
+    )
+
     class Meta:
         model = ModelDefinition
         fields = EDITABLE
@@ -76,6 +82,8 @@ class ModelDefinitionForm(forms.ModelForm):
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
         data = {field: cleaned[field] for field in EDITABLE if field in cleaned}
+        if data.get("load_timeout_seconds") is None:
+            data.pop("load_timeout_seconds", None)
         if "settings" in data and data["settings"] is None:
             data["settings"] = {}
         instance = self.instance if self.instance.pk else None
@@ -92,6 +100,7 @@ def _field_of(exc: ServiceError, fields: dict[str, Any]) -> str | None:
     """The form field a refusal names ("settings.context_size: ..." is settings)."""
     named = exc.details.get("field") or exc.message.split(":", 1)[0]
     field = str(named).split(".", 1)[0]
+    field = next((n for n, f in services.SERVING_FIELDS.items() if f[0] == field), field)
     return field if field in fields else None
 
 
@@ -215,4 +224,6 @@ class ModelDefinitionAdmin(admin.ModelAdmin):
         # As DELETE /api/models/{id}: a running model is stopped first.
         if isinstance(obj, ModelDefinition) and obj.desired_state == "running":
             return False
+        if isinstance(obj, ModelDefinition) and services.routes_naming(obj.served_name):
+            return False  # as DELETE /api/models/{id}: change the routes naming it first
         return super().has_delete_permission(request, obj)

@@ -17,7 +17,7 @@ from django.db import transaction
 
 from core.errors import ServiceError
 from models_registry import llamacpp, vllm
-from models_registry.models import ModelDefinition, Placement
+from models_registry.models import ModelDefinition, Placement, Route
 from nodes import status as node_status
 from nodes.events import ModelSummary
 from nodes.models import Node
@@ -37,16 +37,44 @@ def _invalid(field: str, message: str) -> ServiceError:
     return ServiceError(400, "invalid_request", f"{field}: {message}", details={"field": field})
 
 
-def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | None = None) -> dict:
-    """Check a definition's fields; returns the cleaned values or raises 400 naming the field."""
-    cleaned: dict[str, Any] = {}
-    served = data.get("served_name", instance.served_name if instance else None)
-    if not isinstance(served, str) or not SERVED_NAME.fullmatch(served):
+def clean_served_name(field: str, value: Any) -> str:
+    """``value`` when it is a valid served name (routes' names follow it too), else 400
+    naming ``field``."""
+    if not isinstance(value, str) or not SERVED_NAME.fullmatch(value):
         raise _invalid(
-            "served_name",
+            field,
             "use 1-200 letters, digits and . _ : / @ + - (no spaces or commas), "
             "starting with a letter or digit",
         )
+    return value
+
+
+def routes_naming(served_name: str) -> list[str]:
+    """The routes that list ``served_name`` among their targets (few rows: read in full,
+    as SQLite cannot search inside a JSON list)."""
+    return [r.name for r in Route.objects.all() if served_name in r.targets]
+
+
+def _refuse_if_routed(model: ModelDefinition, what: str) -> None:
+    """A model that routes name is neither deleted nor renamed: the route would point at
+    nothing (docs/operator-guide.md, "Routes: aliases and fallbacks")."""
+    routes = routes_naming(model.served_name)
+    if routes:
+        names = ", ".join(f"'{r}'" for r in routes)
+        raise ServiceError(
+            409,
+            "model_in_route",
+            f"Model '{model.served_name}' is a target of the route(s) {names}: remove it from "
+            f"them (or delete them) before you {what} it.",
+        )
+
+
+def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | None = None) -> dict:
+    """Check a definition's fields; returns the cleaned values or raises 400 naming the field."""
+    cleaned: dict[str, Any] = {}
+    served = clean_served_name(
+        "served_name", data.get("served_name", instance.served_name if instance else None)
+    )
     clash = ModelDefinition.objects.filter(served_name=served)
     if instance is not None:
         clash = clash.exclude(pk=instance.pk)
@@ -56,6 +84,15 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
             "served_name_taken",
             f"served_name: '{served}' is already used by another model (stopped ones count too).",
         )
+    if Route.objects.filter(name=served).exists():
+        # A client's ``model`` must mean one thing (models_registry.routes).
+        raise ServiceError(
+            409,
+            "served_name_taken",
+            f"served_name: '{served}' is the name of a route; choose another name.",
+        )
+    if instance is not None and served != instance.served_name:
+        _refuse_if_routed(instance, "rename")
     cleaned["served_name"] = served
     runtime = clean_runtime(data.get("runtime", instance.runtime if instance else "llamacpp"))
     cleaned["runtime"] = runtime
@@ -79,7 +116,49 @@ def validate_definition(data: dict[str, Any], *, instance: ModelDefinition | Non
         if not isinstance(data["auto_start"], bool):
             raise _invalid("auto_start", "must be true or false")
         cleaned["auto_start"] = data["auto_start"]
+    cleaned |= clean_serving(data)
     return cleaned
+
+
+# The serving policy's fields (docs/operator-guide.md, "Serving"): the services' name, the
+# API's name (the one refusals use), and the range of a whole number (None: a bool).
+# Idle unload runs every few seconds (models_registry.ondemand), so a shorter idle time
+# would only be rounded up; a load or wait past an hour is a misconfiguration.
+SERVING_FIELDS: dict[str, tuple[str, tuple[int, int] | None, str | None]] = {
+    # name: (API name, (low, high) or None for a bool, what null means or None: no null)
+    "load_on_demand": ("loadOnDemand", None, None),
+    "pinned": ("pinned", None, None),
+    "idle_unload_seconds": ("idleUnloadSeconds", (10, 30 * 24 * 3600), "never unload"),
+    "load_timeout_seconds": ("loadTimeoutSeconds", (1, 3600), None),
+    "queue_max_length": ("queueMaxLength", (0, 100_000), "MIRBAD_QUEUE_MAX"),
+    "queue_timeout_seconds": ("queueTimeoutSeconds", (1, 3600), "MIRBAD_QUEUE_TIMEOUT"),
+}
+
+
+def clean_serving(data: dict[str, Any]) -> dict[str, Any]:
+    """The serving policy's fields present in ``data``, checked; 400 naming the field."""
+    cleaned: dict[str, Any] = {}
+    for name, (api_name, bounds, null_means) in SERVING_FIELDS.items():
+        if name not in data:
+            continue
+        value = data[name]
+        if bounds is None:
+            if not isinstance(value, bool):
+                raise _invalid(api_name, "must be true or false")
+        elif value is not None or null_means is None:
+            low, high = bounds
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                empty = f", or null ({null_means})" if null_means else ""
+                raise _invalid(
+                    api_name,
+                    f"must be a whole number of {_unit(name)} from {low} to {high}{empty}",
+                )
+        cleaned[name] = value
+    return cleaned
+
+
+def _unit(name: str) -> str:
+    return "seconds" if name.endswith("_seconds") else "requests"
 
 
 RUNTIMES = ("llamacpp", "vllm")
@@ -325,6 +404,7 @@ def delete_model(model: ModelDefinition) -> None:
     """Delete a definition and its placements; a model meant to run is refused (409)."""
     if model.desired_state == ModelDefinition.Desired.RUNNING:
         raise ServiceError(409, "model_running", "Stop the model before deleting it.")
+    _refuse_if_routed(model, "delete")
     model.delete()
     log.info("Deleted model %s", model.served_name)
 

@@ -3,7 +3,7 @@
 A key's secret exists once, in router.keys.create_key's answer; the admin offers no
 "add" (the console's Keys page and POST /api/keys create keys and show the secret
 once). Hash, prefix and scopes are read-only, revoking is an action, and the fields
-left (name, models, expiry, limits) are checked and saved by router.keys, so the
+left (name, models, expiry, limits, queue fields, budgets) are checked and saved by router.keys, so the
 admin refuses what PATCH /api/keys refuses (docs/decisions.md D60).
 """
 
@@ -18,7 +18,7 @@ from django.http import HttpRequest
 from django.utils import timezone
 
 from router import keys
-from router.models import ApiKey, UsageRecord
+from router.models import ApiKey, UsageDay, UsageMonth, UsageRecord
 
 
 @admin.action(description="Revoke the selected keys")
@@ -60,7 +60,8 @@ class ApiKeyForm(forms.ModelForm[ApiKey]):
     class Meta:
         model = ApiKey
         fields = ("name", "model_allowlist", "expires_at", "rpm_limit", "tpm_limit",
-                  "concurrency_limit")  # fmt: skip
+                  "concurrency_limit", "priority", "queue_timeout_seconds",
+                  "daily_token_budget", "monthly_token_budget", "budget_timezone")  # fmt: skip
 
     changes: dict[str, Any]
 
@@ -87,6 +88,9 @@ class ApiKeyAdmin(admin.ModelAdmin[ApiKey]):
         "rpm_limit",
         "tpm_limit",
         "concurrency_limit",
+        "priority",
+        "daily_token_budget",
+        "monthly_token_budget",
         "created_at",
         "last_used_at",
         "expires_at",
@@ -161,3 +165,39 @@ class UsageRecordAdmin(admin.ModelAdmin[UsageRecord]):
 
     def has_delete_permission(self, request: HttpRequest, obj: UsageRecord | None = None) -> bool:
         return False
+
+
+class _RollupAdmin(admin.ModelAdmin[Any]):
+    """Written by router.usage.UsageMeter only, like the hourly rows: read-only."""
+
+    list_display: tuple[str, ...] = (
+        "key_prefix", "model", "requests", "prompt_tokens", "completion_tokens",
+    )  # fmt: skip
+    list_filter = ("model",)
+    search_fields = ("key_prefix", "key__name", "model")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(UsageDay)
+class UsageDayAdmin(_RollupAdmin):
+    """Usage per key, served name and UTC day."""
+
+    list_display = ("day", *_RollupAdmin.list_display)
+    date_hierarchy = "day"
+    ordering = ("-day", "-id")
+
+
+@admin.register(UsageMonth)
+class UsageMonthAdmin(_RollupAdmin):
+    """Usage per key, served name and UTC month."""
+
+    list_display = ("month", *_RollupAdmin.list_display)
+    ordering = ("-month", "-id")

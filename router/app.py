@@ -16,7 +16,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,11 +37,14 @@ from protocol.errors import (
     WireError,
 )
 from protocol.wire import WirePool, WireResponse
-from router import errors, fleet_metrics, metrics, sse, transform
+from router import errors, fleet_metrics, metrics, ondemand, sse, transform
+from router import queue as queue_mod
+from router.budgets import Budgets
 from router.errors import V1Error
 from router.invalidation import Listener
 from router.keys import KeyInfo
 from router.limits import Limiter
+from router.queue import FairQueue
 from router.recent import recent as recent_requests
 from router.relay import ClientGone, Receive, Send, WholeReader, stream, tee
 from router.routing import Replica, Route, RoutingTable
@@ -93,6 +96,11 @@ class _Request:
     usage: tuple[int, int] | None = None
     key: KeyInfo | None = None  # set once the request is metered, with the name it used
     metered_as: str = ""
+    queue_wait: float | None = None  # seconds in the fair queue, once a slot was granted
+    stream: bool = False  # the body asked for "stream": true
+    # 200 text/event-stream was sent while a load on demand waited (router.ondemand): the
+    # answer continues that stream, and an error ends it as one SSE error event.
+    sse_started: bool = False
 
 
 class _TooLarge(Exception):
@@ -110,7 +118,9 @@ class RouterApp:
         self._targets: dict[tuple[str, str], str] = {}
         self._hosts: dict[str, tuple[str, int]] = {}
         self.meter = UsageMeter()
+        self.budgets = Budgets(self.meter)
         self._limiters: dict[int, Limiter] = {}
+        self._queues: dict[int, FairQueue] = {}
 
     def apply(self, message: dict[str, Any]) -> None:
         """One invalidation (router.invalidation): the caches, and a node's old contexts."""
@@ -146,6 +156,15 @@ class RouterApp:
             limiter = Limiter(redis=status_cache.async_client())
             self._limiters = {loop_id: limiter}
         return limiter
+
+    def queue(self) -> FairQueue:
+        """One fair queue per event loop, as the limiter (redis.asyncio connections)."""
+        loop_id = id(asyncio.get_running_loop())
+        queue = self._queues.get(loop_id)
+        if queue is None:
+            queue = FairQueue(redis=status_cache.async_client())
+            self._queues = {loop_id: queue}
+        return queue
 
     async def _follow_master_certificate(self) -> None:
         """Every MIRBAD_PKI_CHECK_SECONDS: when the master's client certificate was
@@ -220,7 +239,10 @@ class RouterApp:
             await self._handle(scope, receive, send, request)
         except V1Error as exc:
             request.status, request.error_code = exc.status, exc.code
-            await self._send_error(send, exc, started)
+            if request.sse_started:
+                await _send_sse_error(send, exc.body())
+            else:
+                await self._send_error(send, exc, started)
         except ClientGone as exc:
             request.status = 499  # nginx's "client closed request"
             if isinstance(exc.__cause__, ReadTimeout):
@@ -256,7 +278,10 @@ class RouterApp:
             elif message["type"] == "lifespan.shutdown":
                 await self.listener.stop()
                 await self.meter.stop()  # the last few seconds of usage are written too
+                await self.budgets.stop()
                 await self.limiter().stop()
+                for queue in self._queues.values():
+                    await queue.stop()  # the last releases are sent
                 if self._pool is not None:
                     await self._pool.close()
                 await send({"type": "lifespan.shutdown.complete"})
@@ -300,12 +325,14 @@ class RouterApp:
             raise errors.request_too_large(MAX_BODY) from None
         data = _parse(body)
         name = data["model"]
+        request.stream = data.get("stream") is True
         if not key.allows_model(name):
             raise V1Error(403, "model_not_allowed", f"This API key may not use the model '{name}'.")
         candidates = await self.table.candidates(name)
         if not candidates:
             raise errors.model_not_found(name)
         request.model = candidates[0].served_name
+        await self.budgets.admit(key)  # 429 budget_exceeded, on cached totals (router.budgets)
         ticket = await self.limiter().admit(key)
         usage: tuple[int, int] | None = None
         metrics.inc_in_flight(name)
@@ -339,39 +366,197 @@ class RouterApp:
         """Serve one request on the first candidate that can take it; returns the usage.
 
         ``candidates`` is one served name's route, or an alias's targets in order
-        (router.aliases). Per candidate: a replica from the fair queue (router.queue),
-        then the proxy; a failure before the first byte tries another replica.
+        (models_registry.routes). The first that can take the request now is used; when
+        none can, the first that loads on demand is loaded, else the first is tried so
+        that its own error (maintenance, offline, not ready) is the client's. A failure
+        before the first byte on every replica of a target moves on to the next target.
         """
-        route = candidates[0]
+        start = 0
+        # A served name that does not load on demand starts at its one route whatever the
+        # answer: no look ahead on the common path.
+        if len(candidates) > 1 or candidates[0].load_on_demand:
+            for index, candidate in enumerate(candidates):
+                if await self._can_take(candidate):
+                    start = index
+                    break
+            else:
+                loader = next((c for c in candidates if c.load_on_demand), None)
+                if loader is not None:
+                    await self._load_on_demand(loader, scope, send, request)
+                    start = candidates.index(loader)
+        failed: list[tuple[str, str]] = []  # (target, why) of targets tried and left
+        last: V1Error = errors.model_not_ready(name)
+        for index in range(start, len(candidates)):
+            route = candidates[index]
+            more = index + 1 < len(candidates)
+            if index > start and not await self._can_take(route):
+                failed.append((route.served_name, "cannot take a request now"))
+                continue
+            try:
+                usage = await self._serve_on(scope, receive, send, key, name, route, headers,
+                                             body, data, request, more=more)  # fmt: skip
+            except _RetryableBeforeFirstByte as exc:
+                if not more:
+                    raise exc.error from None
+                last = exc.error
+                failed.append((route.served_name, exc.error.message))
+                continue
+            except V1Error:
+                if index > 0:  # a later target answered, with its error
+                    await self._fell_back(name, candidates[:index], failed, route)
+                raise
+            if index > 0:
+                await self._fell_back(name, candidates[:index], failed, route)
+            return usage
+        raise last
+
+    async def _serve_on(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        key: KeyInfo,
+        name: str,
+        route: Route,
+        headers: dict[bytes, bytes],
+        body: bytes,
+        data: dict[str, Any],
+        request: _Request,
+        *,
+        more: bool,
+    ) -> tuple[int, int] | None:
+        """One candidate: a replica from the fair queue (router.queue), then the proxy; a
+        failure before the first byte tries another replica, then raises
+        ``_RetryableBeforeFirstByte`` (``more``: a later candidate may take it)."""
         request.model = route.served_name
+        if route.served_name != name:  # an alias's target, served under its own name
+            body, data = transform.with_model(data, route.served_name)
         prepared = transform.prepare(
             scope["path"], body, emulate_dimensions=route.emulate_dimensions, data=data
         )
         tried: set[str] = set()
+        last: _RetryableBeforeFirstByte | None = None
         for attempt in range(2):
-            replica, release = await self._slot(route, key, tried, receive, request)
+            try:
+                replica, release = await self._slot(route, key, tried, receive, request)
+            except V1Error:
+                if last is None or not more:
+                    raise
+                raise last from None  # no other replica now: the next candidate may take it
             tried.add(replica.instance_id)
             try:
                 return await self._proxy(scope, receive, send, replica, headers, prepared,
                                          request)  # fmt: skip
             except _RetryableBeforeFirstByte as exc:
                 if attempt == 1 or len(route.replicas) <= len(tried):
-                    raise exc.error from None
+                    raise
+                last = exc
                 log.info("Retrying %s on another replica: %s", name, exc.error.message)
             finally:
-                release()
+                await release()
         raise errors.model_not_ready(name)
+
+    async def _can_take(self, route: Route) -> bool:
+        """Whether ``route`` can take a request now: a replica that takes traffic (Ready,
+        not draining, not in maintenance) and room in its fair queue (router.queue). An
+        alias moves on to its next target if not."""
+        if not await self.table.ready_replicas(route):
+            return False
+        if not settings.MIRBAD.queue_enabled:
+            return True
+        bound = route.queue_max if route.queue_max is not None else settings.MIRBAD.queue_max
+        return not await self.queue().full(route.served_name, bound)
+
+    async def _fell_back(
+        self, name: str, passed: list[Route], failed: list[tuple[str, str]], used: Route
+    ) -> None:
+        """Log and count a request to the route ``name`` that a later target took."""
+        why = dict(failed)
+        reasons = []
+        for route in passed:
+            reason = why.get(route.served_name) or await self._why_not(route)
+            reasons.append(f"'{route.served_name}' ({reason})")
+        log.info("Route %s: skipped %s; served by '%s'", name, ", ".join(reasons),
+                 used.served_name)  # fmt: skip
+        metrics.count_fallback(name, used.served_name)
+
+    async def _why_not(self, route: Route) -> str:
+        """Why ``route`` could not take a request, for the fallback's log line."""
+        try:
+            await self.table.pick(route)
+        except V1Error as exc:
+            return exc.message
+        return "no free place for the request"
+
+    async def _load_on_demand(
+        self, route: Route, scope: Scope, send: Send, request: _Request
+    ) -> None:
+        """Start ``route``'s stopped model and wait until it is Ready (router.ondemand).
+
+        The wait counts as queued (``queue_wait``). A stream waiting past a second gets
+        its 200 text/event-stream headers and an SSE comment line every 5 s, so that
+        proxies do not cut it; the answer then continues that stream (_proxy)."""
+
+        async def keepalive() -> None:
+            if not request.sse_started:
+                request.sse_started = True
+                request.status = 200
+                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+            line = f": loading {route.served_name}\n\n".encode()
+            await send({"type": "http.response.body", "body": line, "more_body": True})
+
+        client = scope.get("client")
+        actor = f"key {request.key_prefix}… from {client[0] if client else '?'}"
+        waited = await ondemand.loader_for(self.table).wait(
+            route, actor=actor, tick=keepalive if request.stream else None
+        )
+        request.queue_wait = (request.queue_wait or 0.0) + waited
 
     async def _slot(
         self, route: Route, key: KeyInfo, tried: set[str], receive: Receive, request: _Request
-    ) -> tuple[Replica, Callable[[], None]]:
+    ) -> tuple[Replica, Callable[[], Awaitable[None]]]:
         """A replica of ``route`` with a free slot, and the call that frees the slot
-        (called exactly once, when the answer ended): at once when a slot is free, else
+        (awaited exactly once, when the answer ended): at once when a slot is free, else
         after a wait in the model's fair queue (router.queue).
 
         Not a context manager: V1Error is a frozen dataclass, and contextlib's exit
         would fail assigning its traceback."""
-        return await self.table.pick(route, exclude=tried), _nothing
+        ready = [r for r in await self.table.ready_replicas(route) if r.instance_id not in tried]
+        if not ready or not settings.MIRBAD.queue_enabled:
+            return await self.table.pick(route, exclude=tried), _nothing  # says why none
+
+        def capacities(replicas: list[Replica]) -> list[tuple[str, int]]:
+            return queue_mod.shuffled([(r.instance_id, route.capacity) for r in replicas])
+
+        async def capacities_now() -> list[tuple[str, int]]:
+            fresh = await self.table.ready_replicas(route)
+            return capacities([r for r in fresh if r.instance_id not in tried])
+
+        timeouts = [t for t in (key.queue_timeout, route.queue_timeout) if t is not None]
+        entry = queue_mod.Entry(
+            name=route.served_name,
+            capacities=capacities(ready),
+            priority=key.priority,
+            key_id=key.id,
+            bound=route.queue_max if route.queue_max is not None else settings.MIRBAD.queue_max,
+            timeout=min(timeouts) if timeouts else settings.MIRBAD.queue_timeout,
+        )
+        queue = self.queue()
+        try:
+            grant = await queue.acquire(entry, receive=receive, capacities_now=capacities_now)
+        finally:
+            if request.queue_wait is None:
+                request.queue_wait = 0.0
+        if grant is None:  # Redis away: fail open, uncounted (router.queue)
+            return await self.table.pick(route, exclude=tried), _nothing
+        # A load on demand before (router.ondemand) counts as queued too.
+        request.queue_wait = (request.queue_wait or 0.0) + grant.waited
+        metrics.observe_queue_wait(route.served_name, request.queue_wait)
+        replica = next((r for r in route.replicas if r.instance_id == grant.instance_id), None)
+        if replica is None:  # the placement went away while the request waited
+            await queue.release_now(grant, entry.capacities)
+            raise errors.model_not_ready(route.served_name)
+        return replica, lambda: queue.release_now(grant, entry.capacities)
 
     async def _metrics(self, send: Send, key: Any) -> None:
         """Prometheus text: this web process's router families and the fleet's
@@ -487,7 +672,8 @@ class RouterApp:
         ]
         table = self.table
         table.in_flight[replica.instance_id] = table.in_flight.get(replica.instance_id, 0) + 1
-        overhead = time.perf_counter() - request.started
+        # The wait in the fair queue is the engine's time, not the router's.
+        overhead = time.perf_counter() - request.started - (request.queue_wait or 0.0)
         # Idle time, not total: a stream may last an hour, but a partitioned or stopped
         # agent must not hold the request until the client gives up (docs/decisions.md D42).
         timeout = settings.MIRBAD.upstream_read_timeout
@@ -545,14 +731,23 @@ class RouterApp:
                 overhead += time.perf_counter() - header_start
                 request.overhead = overhead
                 out_headers.append((b"x-mirbad-overhead-ms", f"{overhead * 1000:.2f}".encode()))
+                if request.queue_wait is not None:
+                    out_headers.append((b"x-mirbad-queue-ms", _ms_of(request.queue_wait)))
                 request.status = response.status
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": response.status,
-                        "headers": out_headers,
-                    }
-                )
+                if request.sse_started:
+                    # The headers went out during the load (router.ondemand).
+                    if not ok:
+                        body = prefetched if prefetched is not None else await whole.read()
+                        await _send_sse_error(send, body)
+                        return None
+                else:
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": response.status,
+                            "headers": out_headers,
+                        }
+                    )
                 request.ttfb = time.perf_counter() - request.started
                 if prefetched is not None:
                     await send({"type": "http.response.body", "body": prefetched})
@@ -654,8 +849,34 @@ def _parse(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _nothing() -> None:
+def _ms_of(seconds: float) -> bytes:
+    return f"{seconds * 1000:.2f}".encode()
+
+
+async def _nothing() -> None:
     pass
+
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),  # nginx: pass each line on at once
+]
+
+
+async def _send_sse_error(send: Send, body: bytes) -> None:
+    """End a stream whose headers are out with one ``data: {"error": ...}`` event (an
+    engine's error body as it is when it is such an object, else wrapped)."""
+    try:
+        parsed = json.loads(body)
+    except JSON_ERRORS:
+        parsed = None
+    if not (isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)):
+        text = body.decode("utf-8", "replace")[:4000]
+        parsed = {"error": {"message": text, "type": "server_error", "code": "engine_error"}}
+    event = b"data: " + json.dumps(parsed).encode() + b"\n\n"
+    with contextlib.suppress(Exception):
+        await send({"type": "http.response.body", "body": event, "more_body": False})
 
 
 def _ms(started: float) -> bytes:

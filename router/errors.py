@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from dataclasses import dataclass
@@ -134,5 +135,63 @@ def too_many_failed_keys(retry_after: int) -> V1Error:
         "too_many_failed_keys",
         "Too many requests with unknown, revoked or expired API keys from this address; "
         "no key is checked until Retry-After has passed.",
+        retry_after=max(1, retry_after),
+    )
+
+
+def queue_full(name: str, depth: int, retry_after: int) -> V1Error:
+    """The served name's fair queue holds its most (router.queue)."""
+    return V1Error(
+        429,
+        "queue_full",
+        f"The queue for '{name}' is full ({depth} waiting); retry after {retry_after} s.",
+        retry_after=retry_after,
+    )
+
+
+def queue_timeout(name: str, waited: float, retry_after: int) -> V1Error:
+    """A request waited its longest in the fair queue (router.queue)."""
+    return V1Error(
+        429,
+        "queue_timeout",
+        f"Waited {waited:.0f} s in the queue for '{name}' without a free slot; "
+        f"retry after {retry_after} s, or raise the key's or the model's queue timeout.",
+        retry_after=retry_after,
+    )
+
+
+def model_failed(name: str, why: str, retry_after: int) -> V1Error:
+    """A model loaded on demand failed (or its start was refused); not retried for a
+    minute (router.ondemand). ``why`` carries the engine's last log lines."""
+    return V1Error(
+        503,
+        "model_failed",
+        f"The model '{name}' could not be loaded: {why}",
+        retry_after=max(1, retry_after),
+    )
+
+
+def model_load_timeout(name: str, seconds: float) -> V1Error:
+    """A model loaded on demand was not Ready within its loadTimeoutSeconds."""
+    return V1Error(
+        503,
+        "model_load_timeout",
+        f"The model '{name}' was started on demand but was not Ready within its "
+        f"loadTimeoutSeconds ({seconds:g} s); it may still become Ready: retry later, "
+        "or raise loadTimeoutSeconds.",
+        retry_after=30,
+    )
+
+
+def budget_exceeded(
+    kind: str, used: int, limit: int, zone: str, resets_at: datetime.datetime, retry_after: int
+) -> V1Error:
+    """A key used up its token budget of the day or month (router.budgets)."""
+    name = "daily" if kind == "day" else "monthly"
+    return V1Error(
+        429,
+        "budget_exceeded",
+        f"This API key used {used} of its {name} budget of {limit} tokens ({zone}); it "
+        f"resets at {resets_at:%Y-%m-%dT%H:%M:%SZ}, retry after {retry_after} s.",
         retry_after=max(1, retry_after),
     )

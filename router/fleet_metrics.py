@@ -34,6 +34,8 @@ The families (docs/decisions.md D64):
 ``mirbad_model_stalled``                             model (models_registry.kpis)
 ``mirbad_model_slow``                                model
 ``mirbad_queue_depth``                               (none): requests waiting, fleet
+``mirbad_router_queue_depth``                        model (router.queue's line)
+``mirbad_router_queue_last_wait_seconds``            model
 ==================================================  ==============================
 
 A scrape is a few database queries and Redis round trips whatever the fleet's
@@ -63,6 +65,7 @@ from nodes import status as node_status
 from nodes import telemetry
 from nodes.models import Node
 from nodes.states import NodeState
+from router import queue as fair_queue
 
 __all__ = ["FleetCollector", "SessionVerdict", "arender", "families", "render", "session_verdict"]
 
@@ -223,7 +226,19 @@ def _model_families(
         stalled.add_metric([name], 1.0 if found["stalled"] else 0.0)
         slow.add_metric([name], 1.0 if found["slow"] else 0.0)
     _add(queue, [], waiting_total)
-    return [memory, running, waiting, prompt, gen, kv, prefix, stalled, slow, queue]
+    line = _gauge(
+        "mirbad_router_queue_depth", "Requests waiting in the router's fair queue.", ("model",)
+    )
+    last_wait = _gauge(
+        "mirbad_router_queue_last_wait_seconds",
+        "How long the latest answered request waited in the fair queue.",
+        ("model",),
+    )
+    for name, (depth, waited_ms) in fair_queue.snapshot([m.served_name for m in models]).items():
+        line.add_metric([name], float(depth))
+        _add(last_wait, [name], waited_ms / 1000 if waited_ms is not None else None)
+    return [memory, running, waiting, prompt, gen, kv, prefix, stalled, slow, queue, line,
+            last_wait]  # fmt: skip
 
 
 class FleetCollector(Collector):

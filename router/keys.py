@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import secrets
 import time
+import zoneinfo
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,16 @@ from nodes import audit
 from router.models import LIMIT_FIELDS, SCOPES, ApiKey
 
 KEY_PREFIX = "mbd-"
+# The fair queue's and the budgets' fields of a key (router.queue, router.budgets).
+QUEUE_FIELDS = ("priority", "queue_timeout_seconds")
+BUDGET_FIELDS = ("daily_token_budget", "monthly_token_budget", "budget_timezone")
 # What PATCH may change. Scopes are not among them (docs/decisions.md D22).
-EDITABLE_FIELDS = ("name", "model_allowlist", "expires_at", *LIMIT_FIELDS)
+EDITABLE_FIELDS = (
+    "name", "model_allowlist", "expires_at", *LIMIT_FIELDS, *QUEUE_FIELDS, *BUDGET_FIELDS,
+)  # fmt: skip
+PRIORITY_RANGE = (-1000, 1000)
+QUEUE_TIMEOUT_MAX = 86_400
+BUDGET_MAX = 2**63 - 1  # PositiveBigIntegerField
 
 
 class KeyError_(ValueError):
@@ -44,6 +53,65 @@ def validate_limit(field: str, value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 2**31 - 1:
         raise KeyError_(field, "must be a positive whole number, or null for no limit")
     return value
+
+
+# bool is an int subclass below: true must not mean 1.
+def validate_priority(value: object) -> int:
+    """The queue priority: a whole number in PRIORITY_RANGE (None: the default, 0)."""
+    if value is None:
+        return 0
+    low, high = PRIORITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise KeyError_("priority", f"must be a whole number from {low} to {high} (default 0)")
+    return value
+
+
+def validate_queue_timeout(value: object) -> int | None:
+    """The longest wait in a queue in seconds, 1-86400, or None for the model's."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= QUEUE_TIMEOUT_MAX:
+        raise KeyError_(
+            "queue_timeout_seconds",
+            f"must be a whole number of seconds from 1 to {QUEUE_TIMEOUT_MAX}, "
+            "or null for the model's",
+        )
+    return value
+
+
+def validate_budget(field: str, value: object) -> int | None:
+    """A token budget is a positive whole number of tokens, or None for no budget."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= BUDGET_MAX:
+        raise KeyError_(field, "must be a positive whole number of tokens, or null for no budget")
+    return value
+
+
+def validate_timezone(value: object) -> str:
+    """An IANA time zone name such as ``Europe/Berlin`` (None: UTC)."""
+    if value is None:
+        return "UTC"
+    if isinstance(value, str) and value.strip():
+        name = value.strip()
+        try:
+            zoneinfo.ZoneInfo(name)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+            pass
+        else:
+            return name
+    raise KeyError_(
+        "budget_timezone",
+        f"{value!r} is not an IANA time zone; use a name such as UTC, Europe/Berlin "
+        "or America/New_York",
+    )
+
+
+_VALIDATORS = {
+    "priority": validate_priority,
+    "queue_timeout_seconds": validate_queue_timeout,
+    "budget_timezone": validate_timezone,
+}
 
 
 def _validate_name(name: object) -> str:
@@ -84,6 +152,11 @@ def create_key(
     rpm_limit: int | None = None,
     tpm_limit: int | None = None,
     concurrency_limit: int | None = None,
+    priority: int | None = None,
+    queue_timeout_seconds: int | None = None,
+    daily_token_budget: int | None = None,
+    monthly_token_budget: int | None = None,
+    budget_timezone: str | None = None,
 ) -> tuple[ApiKey, str]:
     """Create a key; returns the row and the plaintext key, which is never stored."""
     unknown = sorted(set(scopes) - set(SCOPES))
@@ -98,6 +171,11 @@ def create_key(
         "rpm_limit": validate_limit("rpm_limit", rpm_limit),
         "tpm_limit": validate_limit("tpm_limit", tpm_limit),
         "concurrency_limit": validate_limit("concurrency_limit", concurrency_limit),
+        "priority": validate_priority(priority),
+        "queue_timeout_seconds": validate_queue_timeout(queue_timeout_seconds),
+        "daily_token_budget": validate_budget("daily_token_budget", daily_token_budget),
+        "monthly_token_budget": validate_budget("monthly_token_budget", monthly_token_budget),
+        "budget_timezone": validate_timezone(budget_timezone),
     }
     key = KEY_PREFIX + secrets.token_urlsafe(32)
     row = ApiKey.objects.create(
@@ -113,7 +191,8 @@ def create_key(
 
 
 def update_key(key_id: int, changes: dict[str, Any]) -> ApiKey:
-    """Change a key's name, allowlist, expiry or limits (a None limit removes it).
+    """Change a key's name, allowlist, expiry, limits, queue fields or budgets (a None
+    limit or budget removes it).
 
     Saved with ``save()`` so that post_save announces it to every router's key
     cache (router.signals); their TTL bounds a lost announcement.
@@ -148,6 +227,10 @@ def clean_changes(row: ApiKey, changes: dict[str, Any]) -> dict[str, Any]:
             # Sending back the key's own expiry (already past) changes nothing: allowed.
             unchanged = value is not None and value == row.expires_at
             cleaned[field] = value if unchanged else _validate_expiry(value)
+        elif field in _VALIDATORS:
+            cleaned[field] = _VALIDATORS[field](value)
+        elif field in ("daily_token_budget", "monthly_token_budget"):
+            cleaned[field] = validate_budget(field, value)
         else:
             cleaned[field] = validate_limit(field, value)
     return cleaned
@@ -184,6 +267,11 @@ class KeyInfo:
     rpm_limit: int | None = None
     tpm_limit: int | None = None
     concurrency_limit: int | None = None
+    priority: int = 0  # the fair queue's order (router.queue)
+    queue_timeout: float | None = None  # the longest wait in a queue; None: the model's
+    daily_token_budget: int | None = None  # tokens per calendar day (router.budgets)
+    monthly_token_budget: int | None = None
+    budget_timezone: str = "UTC"  # the IANA zone of the budgets' day and month
 
     def allows_model(self, served_name: str) -> bool:
         return not self.model_allowlist or served_name in self.model_allowlist
@@ -192,6 +280,11 @@ class KeyInfo:
     def limited(self) -> bool:
         """Whether the limiter has anything to count for this key."""
         return bool(self.rpm_limit or self.tpm_limit or self.concurrency_limit)
+
+    @property
+    def budgeted(self) -> bool:
+        """Whether router.budgets has anything to count for this key."""
+        return self.daily_token_budget is not None or self.monthly_token_budget is not None
 
 
 def lookup(key: str) -> KeyInfo | None:
@@ -208,6 +301,11 @@ def lookup(key: str) -> KeyInfo | None:
         rpm_limit=row.rpm_limit,
         tpm_limit=row.tpm_limit,
         concurrency_limit=row.concurrency_limit,
+        priority=row.priority,
+        queue_timeout=row.queue_timeout_seconds,
+        daily_token_budget=row.daily_token_budget,
+        monthly_token_budget=row.monthly_token_budget,
+        budget_timezone=row.budget_timezone,
     )
 
 

@@ -11,6 +11,8 @@ one, so Django, tests and libraries cannot collide with it). The families:
 ``mirbad_v1_router_overhead_seconds``      histogram   (none)
 ``mirbad_v1_tokens_total``                 counter     model, key_prefix, kind
 ``mirbad_v1_in_flight``                    gauge       model
+``mirbad_v1_route_fallbacks_total``        counter     route, served
+``mirbad_v1_queue_wait_seconds``           histogram   model
 =========================================  ==========  ===============================
 
 ``/metrics`` also carries the fleet's families (``mirbad_node_*``, ``mirbad_model_*``,
@@ -101,6 +103,8 @@ TTFB_BUCKETS = (
     60.0,
     120.0,
 )
+# A free slot is 0; a wait is the engine's slot time or more, up to the 60 s default.
+QUEUE_BUCKETS = (0.0, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 OVERHEAD_BUCKETS = (
     0.0001,
     0.00025,
@@ -177,6 +181,19 @@ class Metrics:
             ("model",),
             registry=r,
         )
+        self.queue_wait_seconds = Histogram(
+            "mirbad_v1_queue_wait_seconds",
+            "Time a request waited in its model's fair queue for a free slot (0: none).",
+            ("model",),
+            buckets=QUEUE_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "mirbad_v1_route_fallbacks",
+            "Requests to a route answered by a later target than its first (a fallback).",
+            ("route", "served"),
+            registry=r,
+        )
         # labels() takes a lock and builds a key each time; a plain dict of the
         # children keeps the per-request cost to lookups. Bounded by the label guard.
         self._children: dict[tuple[object, ...], MetricWrapperBase] = {}
@@ -227,6 +244,14 @@ class Metrics:
         if completion > 0:
             self._child(self.tokens, model, key_prefix, "completion").inc(completion)
 
+    def observe_queue_wait(self, model: str, seconds: float) -> None:
+        self._child(self.queue_wait_seconds, self._model(model)).observe(seconds)
+
+    def count_fallback(self, route: str, served: str) -> None:
+        """One request to ``route`` answered by ``served``, not its first target. Both
+        names exist in the registry (never the client's free text), bounded as models."""
+        self._child(self.fallbacks, self._model(route), self._model(served)).inc()
+
     def inc_in_flight(self, model: str) -> None:
         self._child(self.in_flight_gauge, self._model(model)).inc()
 
@@ -262,6 +287,8 @@ METRICS = Metrics()
 observe_request = METRICS.observe_request
 add_tokens = METRICS.add_tokens
 in_flight = METRICS.in_flight
+observe_queue_wait = METRICS.observe_queue_wait
 inc_in_flight = METRICS.inc_in_flight
+count_fallback = METRICS.count_fallback
 dec_in_flight = METRICS.dec_in_flight
 render = METRICS.render

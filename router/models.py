@@ -99,3 +99,60 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key_prefix} {self.model} {self.hour:%Y-%m-%d %H}h"
+
+
+class UsageDay(models.Model):
+    """Requests and tokens of one key on one served name in one UTC day.
+
+    A rollup of ``UsageRecord``, added to by the same flush in the same transaction
+    (router.usage.write_deltas), so the hourly rows may be pruned while the days stay.
+    """
+
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_days"
+    )
+    key_prefix = models.CharField(max_length=16)
+    model = models.CharField(max_length=200, help_text="The served name")
+    day = models.DateField(help_text="The UTC day")
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["day", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["key", "model", "day"], name="usage_key_model_day")
+        ]
+        indexes = [models.Index(fields=["day"], name="usage_day")]
+
+    def __str__(self) -> str:
+        return f"{self.key_prefix} {self.model} {self.day:%Y-%m-%d}"
+
+
+class UsageMonth(models.Model):
+    """Requests and tokens of one key on one served name in one UTC month (its first day).
+
+    A rollup of ``UsageRecord`` like ``UsageDay``, written by the same flush.
+    """
+
+    key = models.ForeignKey(
+        ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_months"
+    )
+    key_prefix = models.CharField(max_length=16)
+    model = models.CharField(max_length=200, help_text="The served name")
+    month = models.DateField(help_text="The first day of the UTC month")
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["month", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["key", "model", "month"], name="usage_key_model_month")
+        ]
+        indexes = [models.Index(fields=["month"], name="usage_month")]
+
+    def __str__(self) -> str:
+        return f"{self.key_prefix} {self.model} {self.month:%Y-%m}"

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from asgiref.sync import sync_to_async
 
 from models_registry.models import ModelDefinition
+from models_registry.models import Route as AliasRow
 from nodes import status as node_status
 from nodes import status_cache
 from nodes.models import Node
@@ -66,6 +67,8 @@ class RoutingTable:
 
     def __init__(self) -> None:
         self._routes: dict[str, tuple[float, Route | None]] = {}
+        # An alias's targets (served names, in order), None for a name that is none.
+        self._aliases: dict[str, tuple[float, tuple[str, ...] | None]] = {}
         self._keys: dict[str, tuple[float, keys.KeyInfo | None]] = {}
         # Every served name, for /v1/models: one entry, dropped by any route change.
         self._names: dict[str, tuple[float, list[str]]] = {}
@@ -98,8 +101,10 @@ class RoutingTable:
             name = message.get("name")
             if name is None:
                 self._routes.clear()
+                self._aliases.clear()
             else:
                 self._routes.pop(name, None)
+                self._aliases.pop(name, None)
 
     async def key(self, token: str) -> keys.KeyInfo | None:
         info = await self._cached(self._keys, token, KEY_TTL, keys.lookup)
@@ -110,9 +115,18 @@ class RoutingTable:
 
     async def candidates(self, name: str) -> list[Route]:
         """What a client's ``model`` names, in order of preference: the served name's
-        route alone, or an alias's targets (router.aliases), empty when unknown."""
+        route alone, or an alias's targets' routes (models_registry.routes), empty when
+        unknown. A target whose model is gone is skipped (deleting one is refused)."""
         route = await self.route(name)
-        return [route] if route is not None else []
+        if route is not None:
+            return [route]
+        targets = await self._cached(self._aliases, name, ROUTE_TTL, _load_alias)
+        out = []
+        for target in targets or ():
+            target_route = await self.route(target)
+            if target_route is not None:
+                out.append(target_route)
+        return out
 
     async def _cached(
         self,
@@ -171,13 +185,20 @@ class RoutingTable:
             log.warning("Loading a cached route or key failed: %r", future.exception())
 
     async def ready_models(self) -> list[str]:
-        """The served names with a ready replica, from the caches (no query per call)."""
+        """The served names with a ready replica, then the aliases with at least one
+        ready target, from the caches (no query per call)."""
         names = await self._cached(self._names, "", ROUTE_TTL, _all_served_names)
         ready = []
         for name in names:
             route = await self.route(name)
             if route is not None and await self._ready(route):
                 ready.append(name)
+        # "\0" is no served name (router.app refuses a NUL in ``model``).
+        for alias in await self._cached(self._names, "\0aliases", ROUTE_TTL, _all_alias_names):
+            for target in await self.candidates(alias):
+                if await self._ready(target):
+                    ready.append(alias)
+                    break
         return ready
 
     async def status(self, node_id: str) -> status_cache.NodeStatus | None:
@@ -246,6 +267,10 @@ class RoutingTable:
     async def _effective(self, node: Node) -> status_cache.NodeStatus:
         """The node's effective status (nodes.status.effective) from the cached record."""
         return node_status.effective(node, await self.status(node.node_id))
+
+    async def ready_replicas(self, route: Route) -> list[Replica]:
+        """The replicas of ``route`` that take traffic now, from the status cache."""
+        return await self._ready(route)
 
     async def _ready(self, route: Route) -> list[Replica]:
         out = []
@@ -330,3 +355,14 @@ def _capacity(model: ModelDefinition) -> int:
 
 def _all_served_names(_: str = "") -> list[str]:
     return list(ModelDefinition.objects.values_list("served_name", flat=True))
+
+
+def _all_alias_names(_: str = "") -> list[str]:
+    return list(AliasRow.objects.values_list("name", flat=True))
+
+
+def _load_alias(name: str) -> tuple[str, ...] | None:
+    targets = AliasRow.objects.filter(name=name).values_list("targets", flat=True).first()
+    if not isinstance(targets, list):
+        return None
+    return tuple(t for t in targets if isinstance(t, str))

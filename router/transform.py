@@ -74,6 +74,7 @@ __all__ = [
     "check_dimensions",
     "prepare",
     "transform_embeddings",
+    "with_model",
 ]
 
 STREAMED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
@@ -179,6 +180,18 @@ def prepare(
         )
 
     return Prepared(body)
+
+
+def with_model(data: dict[str, Any], model: str) -> tuple[bytes, dict[str, Any]]:
+    """The request re-addressed to ``model``, as a body and its dict, for ``prepare``.
+
+    Only for a client that called a route (an alias): its target is served under its
+    own name, and vLLM refuses a ``model`` it does not serve. A client calling a served
+    name never comes here, so its body stays byte for byte.
+    """
+    rewritten = dict(data)
+    rewritten["model"] = model
+    return _dumps(rewritten), rewritten
 
 
 def _parse(body: bytes) -> dict[str, Any] | None:

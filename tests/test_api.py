@@ -48,6 +48,11 @@ ENDPOINTS = [
     ("delete", "/api/downloads/f"),
     ("get", "/api/reclaim"),
     ("post", "/api/reclaim"),
+    ("get", "/api/routes"),
+    ("post", "/api/routes"),
+    ("get", "/api/routes/r"),
+    ("patch", "/api/routes/r"),
+    ("delete", "/api/routes/r"),
     ("get", "/api/keys"),
     ("post", "/api/keys"),
     ("patch", "/api/keys/1"),
@@ -70,7 +75,7 @@ def test_every_api_route_is_in_the_permission_tests() -> None:
 
     covered = {path for _, path in ENDPOINTS}
     samples = {"<str:node_id>": "n1", "<int:model_id>": "1", "<int:key_id>": "1",
-               "<str:folder>": "f", "<str:token>": "t"}  # fmt: skip
+               "<str:folder>": "f", "<str:token>": "t", "<path:route>": "r"}  # fmt: skip
     for pattern in urlpatterns:
         route = str(pattern.pattern)
         if not route.startswith("api/"):

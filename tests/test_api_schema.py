@@ -50,7 +50,9 @@ def test_schema_names_the_wire_fields(operator_client: APIClient) -> None:
     )
     assert set(components["PatchedModelWriteRequest"]["properties"]) == {
         "servedName", "sourceFolder", "sourceFile", "autoStart", "runtime", "delivery",
-        "image", "settings", "node", "placements", "memoryBudgetBytes",
+        "image", "settings", "node", "placements", "memoryBudgetBytes", "loadOnDemand",
+        "idleUnloadSeconds", "loadTimeoutSeconds", "pinned", "queueMaxLength",
+        "queueTimeoutSeconds",
     }  # fmt: skip
     assert "key" in components["NewKey"]["properties"]
     assert set(components["Error"]["properties"]) == {"error"}

@@ -49,6 +49,27 @@ class ModelWriteSerializer(ApiSerializer):
     memoryBudgetBytes = JsonInt(
         source="memory_budget_bytes", help_text="A positive byte count, or null for the estimate."
     )
+    # Serving policy (docs/operator-guide.md, "Serving"); services.clean_serving judges them.
+    loadOnDemand = JsonBool(
+        source="load_on_demand", help_text="A /v1 request starts the model when it is stopped."
+    )
+    idleUnloadSeconds = JsonInt(
+        source="idle_unload_seconds",
+        help_text="Stop the model after this long without a request (10-2592000); null: never.",
+    )
+    loadTimeoutSeconds = JsonInt(
+        source="load_timeout_seconds",
+        help_text="How long a request that started the model waits for Ready (1-3600).",
+    )
+    pinned = JsonBool(help_text="Never stopped to make room for another model, nor when idle.")
+    queueMaxLength = JsonInt(
+        source="queue_max_length",
+        help_text="Requests that may wait for a slot (0-100000); null: MIRBAD_QUEUE_MAX.",
+    )
+    queueTimeoutSeconds = JsonInt(
+        source="queue_timeout_seconds",
+        help_text="How long a request waits for a slot (1-3600); null: MIRBAD_QUEUE_TIMEOUT.",
+    )
 
 
 class CommandSerializer(ApiSerializer):
@@ -140,6 +161,12 @@ class ModelSerializer(serializers.Serializer):
     autoStartNote = serializers.SerializerMethodField()
     desiredState = serializers.CharField(source="desired_state")
     memoryBudgetBytes = serializers.IntegerField(source="memory_budget_bytes", allow_null=True)
+    loadOnDemand = serializers.BooleanField(source="load_on_demand")
+    idleUnloadSeconds = serializers.IntegerField(source="idle_unload_seconds", allow_null=True)
+    loadTimeoutSeconds = serializers.IntegerField(source="load_timeout_seconds")
+    pinned = serializers.BooleanField()
+    queueMaxLength = serializers.IntegerField(source="queue_max_length", allow_null=True)
+    queueTimeoutSeconds = serializers.IntegerField(source="queue_timeout_seconds", allow_null=True)
     estimate = serializers.SerializerMethodField()
     placements = serializers.SerializerMethodField()
     state = serializers.SerializerMethodField()

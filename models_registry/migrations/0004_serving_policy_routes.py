@@ -4,53 +4,60 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('models_registry', '0003_model_image'),
+        ("models_registry", "0003_model_image"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Route',
+            name="Route",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('targets', models.JSONField(default=list, help_text='Served names, first preferred')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=200, unique=True)),
+                (
+                    "targets",
+                    models.JSONField(default=list, help_text="Served names, first preferred"),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='idle_unload_seconds',
+            model_name="modeldefinition",
+            name="idle_unload_seconds",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='load_on_demand',
+            model_name="modeldefinition",
+            name="load_on_demand",
             field=models.BooleanField(default=False),
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='load_timeout_seconds',
+            model_name="modeldefinition",
+            name="load_timeout_seconds",
             field=models.PositiveIntegerField(default=300),
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='pinned',
+            model_name="modeldefinition",
+            name="pinned",
             field=models.BooleanField(default=False),
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='queue_max_length',
+            model_name="modeldefinition",
+            name="queue_max_length",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='modeldefinition',
-            name='queue_timeout_seconds',
+            model_name="modeldefinition",
+            name="queue_timeout_seconds",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
     ]

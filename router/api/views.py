@@ -9,7 +9,7 @@ from rest_framework.response import Response
 
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
-from router import keys
+from router import budgets, keys
 from router.api.serializers import (
     KeyListSerializer,
     KeySerializer,
@@ -35,9 +35,11 @@ class KeyViewSet(viewsets.GenericViewSet[ApiKey]):
 
     @extend_schema(responses={200: KeyListSerializer})
     def list(self, request: Request) -> Response:
-        # many=True takes a queryset; the stubs type the argument as one ApiKey.
-        rows = KeySerializer(ApiKey.objects.all(), many=True)  # type: ignore[arg-type]  # see above
-        return Response({"keys": rows.data})
+        rows = list(ApiKey.objects.all())
+        context = {"budgets": budgets.status(rows)}  # one read per zone, not per key
+        # many=True takes a list; the stubs type the argument as one ApiKey.
+        listed = KeySerializer(rows, many=True, context=context)  # type: ignore[arg-type]
+        return Response({"keys": listed.data})
 
     @extend_schema(request=KeyWriteSerializer, responses={201: NewKeySerializer, **errors(400)})
     def create(self, request: Request) -> Response:

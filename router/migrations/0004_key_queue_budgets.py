@@ -5,35 +5,53 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('router', '0003_usage_errors'),
+        ("router", "0003_usage_errors"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='apikey',
-            name='budget_timezone',
-            field=models.CharField(default='UTC', help_text="IANA zone of the budget's day and month", max_length=64),
+            model_name="apikey",
+            name="budget_timezone",
+            field=models.CharField(
+                default="UTC", help_text="IANA zone of the budget's day and month", max_length=64
+            ),
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='daily_token_budget',
-            field=models.PositiveBigIntegerField(blank=True, help_text='Tokens per day', null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="apikey",
+            name="daily_token_budget",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="Tokens per day",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+            ),
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='monthly_token_budget',
-            field=models.PositiveBigIntegerField(blank=True, help_text='Tokens per month', null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="apikey",
+            name="monthly_token_budget",
+            field=models.PositiveBigIntegerField(
+                blank=True,
+                help_text="Tokens per month",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+            ),
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='priority',
-            field=models.IntegerField(default=0, help_text='Queue priority; higher is served first'),
+            model_name="apikey",
+            name="priority",
+            field=models.IntegerField(
+                default=0, help_text="Queue priority; higher is served first"
+            ),
         ),
         migrations.AddField(
-            model_name='apikey',
-            name='queue_timeout_seconds',
-            field=models.PositiveIntegerField(blank=True, help_text="Longest wait in a model's queue; null: the model's", null=True, validators=[django.core.validators.MinValueValidator(1)]),
+            model_name="apikey",
+            name="queue_timeout_seconds",
+            field=models.PositiveIntegerField(
+                blank=True,
+                help_text="Longest wait in a model's queue; null: the model's",
+                null=True,
+                validators=[django.core.validators.MinValueValidator(1)],
+            ),
         ),
     ]

@@ -247,3 +247,25 @@ def test_the_action_urls_a_row_builds_are_the_routes() -> None:
     for action in ("start", "stop", "restart", "delete"):
         assert reverse("model-action", args=[7, action]) == f"{base}{action}/"
     assert reverse("model-edit", args=[7]) == f"{base}edit/"
+
+
+def test_a_row_shows_the_routers_queue_and_metrics_carry_it(operator, status_redis) -> None:
+    from router import queue as fair_queue
+    from router.fleet_metrics import families
+
+    model = make_model("queued-model", make_node("n1"))
+    base = fair_queue.base(model.served_name)
+    status_redis.hset(base + "waiters", mapping={"p1:1": "0\t1", "p1:2": "0\t2"})
+    status_redis.set(base + "wait", "1500.0")
+    try:
+        html = as_operator(operator).get("/models/").content.decode()
+        assert "2 queued in the router · last wait 1500 ms" in html
+        found = {
+            (family.name, sample.labels.get("model")): sample.value
+            for family in families()
+            for sample in family.samples
+        }
+        assert found[("mirbad_router_queue_depth", "queued-model")] == 2.0
+        assert found[("mirbad_router_queue_last_wait_seconds", "queued-model")] == 1.5
+    finally:
+        status_redis.delete(base + "waiters", base + "wait")

@@ -13,8 +13,7 @@ import pytest
 from django.contrib.auth.models import AbstractUser
 from django.test import Client
 
-from router import keys
-from router.models import UsageRecord
+from router import keys, usage
 
 pytestmark = pytest.mark.django_db
 
@@ -42,16 +41,16 @@ def _seed() -> dt.datetime:
         (web, "m2", now - dt.timedelta(days=20), 2, 20, 4),
         (web, "m1", now - dt.timedelta(days=40), 9, 9, 9),
     ]
-    for key, model, hour, requests, prompt, completion in rows:
-        UsageRecord.objects.create(
-            key=key, key_prefix=key.prefix, model=model, hour=hour, requests=requests,
-            prompt_tokens=prompt, completion_tokens=completion,
-        )  # fmt: skip
-    # A key deleted since keeps its usage under its prefix.
-    UsageRecord.objects.create(
-        key=None, key_prefix="mbd-gone", model="m1", hour=now - dt.timedelta(hours=4),
-        requests=2, prompt_tokens=30, completion_tokens=3,
-    )  # fmt: skip
+    # Written as the meter writes them: the hourly rows and their day and month rollups.
+    usage.add_deltas(
+        {
+            (key.pk, key.prefix, model, int(hour.timestamp())): (requests, prompt, completion, 0)
+            for key, model, hour, requests, prompt, completion in rows
+        }
+    )
+    # A key deleted since (no row has its id) keeps its usage under its prefix.
+    gone = int((now - dt.timedelta(hours=4)).timestamp())
+    usage.add_deltas({(10**9, "mbd-gone", "m1", gone): (2, 30, 3, 0)})
     return now
 
 

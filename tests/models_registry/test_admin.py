@@ -39,6 +39,7 @@ def _form(model: ModelDefinition, **changes: Any) -> dict[str, Any]:
         "source_file": model.source_file,
         "settings": "{}",
         "memory_budget_bytes": "",
+        "load_timeout_seconds": str(model.load_timeout_seconds),
         "placements-TOTAL_FORMS": "0",
         "placements-INITIAL_FORMS": "0",
     }
@@ -72,6 +73,7 @@ def test_the_change_form_cannot_set_desired_state_or_bypass_the_checks(
         "source_file": "../../etc/passwd",
         "runtime": "tgi",
         "memory_budget_bytes": "-5",
+        "idle_unload_seconds": "5",  # services.SERVING_FIELDS: from 10
     }
     for field, value in refusals.items():
         answer = admin_client.post(url, _form(model, **{field: value}))

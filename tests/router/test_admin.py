@@ -40,6 +40,11 @@ def _form(row: ApiKey, **changes: Any) -> dict[str, Any]:
         "rpm_limit": "",
         "tpm_limit": "",
         "concurrency_limit": "",
+        "priority": "0",
+        "queue_timeout_seconds": "",
+        "daily_token_budget": "",
+        "monthly_token_budget": "",
+        "budget_timezone": "UTC",
     }
     form.update(changes)
     return form
@@ -92,6 +97,10 @@ def test_a_change_goes_through_router_keys_and_the_key_still_works(admin_client:
         ({"tpm_limit": "-1"}, "tpm_limit"),
         ({"concurrency_limit": str(2**40)}, "concurrency_limit"),
         ({"name": "   "}, "name"),
+        ({"priority": "5000"}, "priority"),
+        ({"queue_timeout_seconds": "90000"}, "queue_timeout_seconds"),
+        ({"daily_token_budget": "0"}, "daily_token_budget"),
+        ({"budget_timezone": "Mars/Olympus"}, "budget_timezone"),
     ],
 )
 def test_what_patch_refuses_the_change_form_refuses(
@@ -202,3 +211,19 @@ def test_keys_and_usage_refuse_anyone_but_staff(url: str, viewer: Any, admin_key
     row = ApiKey.objects.get(name="secret-key")
     non_staff.post(KEYS, {"action": "revoke", "_selected_action": [str(row.pk)]})
     assert ApiKey.objects.get(pk=row.pk).revoked_at is None
+
+
+def test_the_change_form_sets_budgets(admin_client: Client) -> None:
+    row, key = keys.create_key(name="ci", scopes=["chat"])
+    answer = admin_client.post(
+        f"{KEYS}{row.pk}/change/",
+        _form(row, daily_token_budget="5000", budget_timezone="Asia/Kolkata", priority="-3"),
+    )
+    assert answer.status_code == 302, answer.content[:2000]
+    info = keys.lookup(key)
+    assert info is not None
+    assert (info.daily_token_budget, info.budget_timezone, info.priority) == (
+        5000,
+        "Asia/Kolkata",
+        -3,
+    )

@@ -10,7 +10,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from router import keys, usage
-from router.models import ApiKey, UsageRecord
+from router.models import ApiKey
 
 pytestmark = pytest.mark.django_db
 
@@ -89,11 +89,13 @@ def _usage() -> tuple[ApiKey, ApiKey]:
         (b, "m1", H + datetime.timedelta(hours=2), 4, 100, 50),
         (a, "m1", H - datetime.timedelta(days=3), 9, 900, 900),  # outside the range
     ]
-    for key, model, hour, requests, prompt, completion in rows:
-        UsageRecord.objects.create(
-            key=key, key_prefix=key.prefix, model=model, hour=hour, requests=requests,
-            prompt_tokens=prompt, completion_tokens=completion,
-        )  # fmt: skip
+    # Written as the meter writes them: the hourly rows and their day and month rollups.
+    usage.add_deltas(
+        {
+            (key.pk, key.prefix, model, int(hour.timestamp())): (requests, prompt, completion, 0)
+            for key, model, hour, requests, prompt, completion in rows
+        }
+    )
     return a, b
 
 

@@ -173,13 +173,18 @@ async def test_the_model_list_is_cached_until_a_route_changes(
         calls.append("names")
         return list(names)
 
+    def all_aliases(_: str = "") -> list[str]:
+        calls.append("aliases")
+        return []
+
     monkeypatch.setattr(routing, "_all_served_names", all_names)
+    monkeypatch.setattr(routing, "_all_alias_names", all_aliases)
     monkeypatch.setattr(routing, "_load_route", lambda name: None)
     table = routing.RoutingTable()
     for _ in range(5):
         assert await table.ready_models() == []  # no route: nothing ready
-    assert calls == ["names"]
+    assert calls == ["names", "aliases"]
     names.append("c")
     table.invalidate({"kind": "routes", "name": "c"})
     await table.ready_models()
-    assert calls == ["names", "names"]
+    assert calls == ["names", "aliases", "names", "aliases"]

@@ -1,0 +1,148 @@
+"""The fair queue across two real web processes in front of a real llama-server.
+
+The model has two slots (``parallel: 2``). Twelve streamed requests arrive at once,
+half through each web process: every one is answered, the ones that waited say so
+in ``x-mirbad-queue-ms``, and llama-server itself never holds more than its two
+slots (its own /metrics: requests processing at most 2, none deferred), which is
+what the queue is for.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from tests.e2e.conftest import ROOT, create_and_start, free_port, llama_server_or_fail, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def _engine(data: Path) -> tuple[int, str]:
+    """The port of the llama-server the stack's agent started, and its API key."""
+    for proc in psutil.process_iter(["cmdline", "environ"]):
+        cmd = proc.info["cmdline"] or []
+        if cmd and cmd[0].endswith("llama-server") and any(str(data) in c for c in cmd):
+            return int(cmd[cmd.index("--port") + 1]), (proc.info["environ"] or {})["LLAMA_API_KEY"]
+    raise AssertionError("no llama-server process for this stack")
+
+
+def _gauge(text: str, name: str) -> float:
+    match = re.search(rf"^llamacpp:{name} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"llama-server's /metrics has no {name}"
+    return float(match.group(1))
+
+
+def test_two_web_processes_never_send_the_engine_more_than_its_slots(
+    make_stack, tmp_path: Path
+) -> None:
+    llama_server_or_fail()
+    stack = make_stack(embedded=False)
+    stack.prepare_local_model()
+    facts = stack.start()
+    api = stack.api(facts["API key"], timeout=60)
+    create_and_start(
+        api,
+        {
+            "servedName": "tiny",
+            "sourceFolder": "tiny",
+            "sourceFile": "tiny.gguf",
+            "settings": {"context_size": 256, "gpu_layers": 0, "parallel": 2},
+            "node": "local",
+        },
+    )
+    keys = [
+        api.post("/api/keys", json={"name": f"k{i}", "scopes": ["chat"]}).json()["key"]
+        for i in range(2)
+    ]
+    engine_port, engine_key = _engine(stack.data)
+    engine = f"http://127.0.0.1:{engine_port}"
+
+    port = free_port()
+    second = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
+         "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
+        cwd=ROOT, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        urls = [stack.url, f"http://127.0.0.1:{port}"]
+        wait_for(lambda: _up(urls[1]), 30, "the second web process")
+
+        most = {"processing": 0.0, "deferred": 0.0}
+        sampling = True
+        sampler_errors: list[BaseException] = []
+
+        def sample() -> None:
+            try:
+                _sample()
+            except BaseException as exc:
+                sampler_errors.append(exc)
+
+        def _sample() -> None:
+            headers = {"Authorization": f"Bearer {engine_key}"}
+            with httpx.Client(timeout=5, headers=headers) as client:
+                while sampling:
+                    text = client.get(f"{engine}/metrics").text
+                    most["processing"] = max(most["processing"],
+                                             _gauge(text, "requests_processing"))  # fmt: skip
+                    most["deferred"] = max(most["deferred"], _gauge(text, "requests_deferred"))
+                    time.sleep(0.005)
+
+        results: list[tuple[int, float | None, int]] = []
+
+        def one(i: int) -> None:
+            with httpx.Client(timeout=120) as client, client.stream(
+                "POST",
+                f"{urls[i % 2]}/v1/chat/completions",
+                headers={"Authorization": f"Bearer {keys[i % 2]}"},
+                json={"model": "tiny", "stream": True, "max_tokens": 24,
+                      "messages": [{"role": "user", "content": f"count {i}"}]},
+            ) as response:  # fmt: skip
+                body = b"".join(response.iter_bytes())
+                queued = response.headers.get("x-mirbad-queue-ms")
+                results.append(
+                    (response.status_code, float(queued) if queued else None, body.count(b"data:"))
+                )
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        clients = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        for thread in clients:
+            thread.start()
+        for thread in clients:
+            thread.join(timeout=180)
+        sampling = False
+        sampler.join(timeout=10)
+
+        assert len(results) == 12
+        assert all(status == 200 for status, _, _ in results), results
+        assert all(chunks > 2 for _, _, chunks in results), results
+        waits = sorted(q for _, q, _ in results if q is not None)
+        assert len(waits) == 12, "every answer carries x-mirbad-queue-ms"
+        # Two slots, twelve requests at once: at least ten of them waited for one.
+        assert sum(1 for w in waits if w > 1.0) >= 10, waits
+        print(f"queue waits (ms): {waits}; engine at most {most}")
+        assert not sampler_errors, sampler_errors
+        # Both slots were seen busy (the sampling works), never a third, nothing deferred.
+        assert most["processing"] == 2, most
+        assert most["deferred"] == 0, most
+
+        metrics = api.get("/metrics").text
+        assert "mirbad_v1_queue_wait_seconds_count" in metrics
+    finally:
+        second.terminate()
+        second.wait(timeout=30)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code < 500
+    except httpx.HTTPError:
+        return False
