@@ -48,6 +48,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from nodes import status_cache
 from router.errors import queue_full, queue_timeout
 from router.queue_wire import lean_for
 from router.relay import ClientGone, Receive
@@ -58,7 +59,9 @@ LEASE_SECONDS = 15.0
 POLL_EVERY = 0.5
 RENEW_EVERY = 5.0
 WARN_EVERY = 60.0
-CALL_TIMEOUT = 1.0  # one script call; past it the queue fails open for this request
+CALL_TIMEOUT = 0.5  # one script call; past it the queue fails open (as a status read)
+PROBE_EVERY = 1.0  # after a failure, how often a background call asks Redis again
+RELEASE_TRIES = 8  # a release that fails is sent again, 2 s to 30 s apart
 
 
 def base(served_name: str) -> str:
@@ -100,6 +103,7 @@ class FairQueue:
         clock: Callable[[], float] = time.time,
         lease_seconds: float = LEASE_SECONDS,
         poll_every: float = POLL_EVERY,
+        call_timeout: float = CALL_TIMEOUT,
     ) -> None:
         self._redis = redis
         self._clock = clock
@@ -114,9 +118,14 @@ class FairQueue:
         for name in ("ACQUIRE", "POLL", "RELEASE", "LEAVE", "RENEW"):
             self._texts[name] = getattr(queue_script, name)
             self._scripts[name] = redis.register_script(self._texts[name])
+        self._timeout = call_timeout
         # The script calls on the request path go over a lean pipelined connection
         # (router.queue_wire); redis-py stays for pub/sub, the readers and TLS.
-        self._lean = lean_for(redis, timeout=CALL_TIMEOUT)
+        self._lean = lean_for(redis, timeout=call_timeout)
+        # After a failure no request waits on Redis again until a background probe
+        # got an answer: a stalled Redis costs one timeout, not one per request.
+        self._healthy = True
+        self._probe: asyncio.Task[None] | None = None
         self._waiting: dict[str, asyncio.Future[str]] = {}
         self._held: dict[str, int] = {}  # served name -> slots and waiters of this process
         self._slot_time: dict[str, float] = {}  # served name -> recent seconds per request
@@ -143,6 +152,8 @@ class FairQueue:
         gives the replicas taking traffic at each poll (a replica may become ready
         or go away while requests wait).
         """
+        if not self.usable():
+            return None
         started = time.monotonic()
         ticket = f"{self.process_id}:{next(self._ids)}"
         future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
@@ -156,7 +167,7 @@ class FairQueue:
                     ticket, entry.priority, entry.key_id, entry.bound,
                 )  # fmt: skip
             except (TimeoutError, RedisError, OSError) as exc:
-                self._warn(exc)
+                self._failed(exc)
                 # The call may have run and granted or queued the ticket: undo that in
                 # the background, or a slot would stay counted while this process lives.
                 self._spawn(self._leave(entry, ticket, entry.capacities))
@@ -272,7 +283,10 @@ class FairQueue:
             task = asyncio.ensure_future(self._release(grant, capacities))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
-            await asyncio.shield(task)
+            if self._healthy:
+                # Bounded by one call's timeout: a failed release retries in the background.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(task), self._timeout)
 
     def _releasing(self, grant: Grant | None) -> bool:
         if grant is None or not grant.counted:
@@ -289,6 +303,17 @@ class FairQueue:
         task.add_done_callback(self._background.discard)
 
     async def _release(self, grant: Grant, capacities: Sequence[tuple[str, int]]) -> None:
+        """Sent until Redis takes it (a counted slot left behind would hold a replica's
+        slot while this process lives); the lease frees it if this process dies first."""
+        for attempt in range(RELEASE_TRIES):
+            if attempt:
+                await asyncio.sleep(min(2.0**attempt, 30.0))
+            if await self._release_once(grant, capacities):
+                return
+        log.warning("A slot of %s could not be released; it is freed when this process ends",
+                    grant.name)  # fmt: skip
+
+    async def _release_once(self, grant: Grant, capacities: Sequence[tuple[str, int]]) -> bool:
         try:
             waited = f"{grant.waited * 1000:.1f}"
             granted = await self._call("RELEASE", grant.name, capacities, grant.ticket, waited)
@@ -298,20 +323,22 @@ class FairQueue:
                 if future is not None and not future.done():
                     future.set_result(instance)
         except (TimeoutError, RedisError, OSError) as exc:
-            # The slot stays counted until this process's lease lapses; say so.
-            self._warn(exc)
-        finally:
-            self._hold(grant.name, -1)
+            self._failed(exc)
+            return False
+        self._hold(grant.name, -1)
+        return True
 
     async def full(self, name: str, bound: int) -> bool:
         """Whether ``name``'s line holds ``bound`` waiters already (a request would be
         refused ``queue_full`` unless a slot is free and nobody waits). Redis away: not
         full, as the queue fails open."""
+        if not self.usable():
+            return False
         try:
             waiting = int(await asyncio.wait_for(self._redis.hlen(base(name) + "waiters"),
-                                                 CALL_TIMEOUT))  # fmt: skip
+                                                 self._timeout))  # fmt: skip
         except (TimeoutError, RedisError, OSError) as exc:
-            self._warn(exc)
+            self._failed(exc)
             return False
         return waiting > 0 and waiting >= bound
 
@@ -334,7 +361,7 @@ class FairQueue:
         if self._lean is not None:
             answer = await self._lean.evalsha(self._texts[script], *args)
         else:
-            answer = await asyncio.wait_for(self._scripts[script](args=args), CALL_TIMEOUT)
+            answer = await asyncio.wait_for(self._scripts[script](args=args), self._timeout)
         if isinstance(answer, list):
             return [_text(a) for a in answer]
         return [_text(answer)]
@@ -392,11 +419,36 @@ class FairQueue:
         await self.settle()
         if self._lean is not None:
             self._lean.close()
-        for task in (self._listener, self._renewer):
+        for task in (self._listener, self._renewer, self._probe):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
+
+    def usable(self) -> bool:
+        """Whether a request may call Redis now. Not after a failure (this queue's, or a
+        status read's: nodes.status_cache.reads_paused) until a background probe has
+        had an answer; meanwhile requests are served without the queue."""
+        if self._healthy and not status_cache.reads_paused():
+            return True
+        self._healthy = False
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._check())
+        return False
+
+    async def _check(self) -> None:
+        try:
+            await self._call("RENEW", "-probe-", ())
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._warn(exc)
+            await asyncio.sleep(PROBE_EVERY)  # the next request after this starts another
+            return
+        self._healthy = True
+        log.info("The fair queue reaches Redis again")
+
+    def _failed(self, exc: BaseException) -> None:
+        self._healthy = False
+        self._warn(exc)
 
     def _warn(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -428,23 +480,17 @@ def shuffled(capacities: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 def depth(served_name: str) -> int:
     """Requests waiting for ``served_name`` across all web processes."""
-    from nodes import status_cache
-
     return int(status_cache.sync_client().hlen(base(served_name) + "waiters"))
 
 
 def busy_slots(served_name: str) -> int:
     """Slots in use for ``served_name`` (requests in flight) across all web processes."""
-    from nodes import status_cache
-
     values = status_cache.sync_client().hvals(base(served_name) + "busy")
     return sum(max(0, int(v)) for v in values)
 
 
 def last_used(served_name: str) -> float | None:
     """Unix time of the latest request for ``served_name``, or None."""
-    from nodes import status_cache
-
     value = status_cache.sync_client().get(base(served_name) + "last")
     return float(value) if value is not None else None
 
@@ -452,8 +498,6 @@ def last_used(served_name: str) -> float | None:
 def snapshot(served_names: Sequence[str]) -> dict[str, tuple[int, float | None]]:
     """(requests waiting, ms the latest answered one waited) per served name, in one
     round trip; {} when Redis cannot be read (the console then shows none)."""
-    from nodes import status_cache
-
     if not served_names:
         return {}
     try:

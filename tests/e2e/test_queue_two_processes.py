@@ -95,7 +95,7 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
                     most["deferred"] = max(most["deferred"], _gauge(text, "requests_deferred"))
                     time.sleep(0.005)
 
-        results: list[tuple[int, float | None, int]] = []
+        results: list[tuple[int, float | None, bool]] = []
 
         def one(i: int) -> None:
             with httpx.Client(timeout=120) as client, client.stream(
@@ -107,8 +107,9 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
             ) as response:  # fmt: skip
                 body = b"".join(response.iter_bytes())
                 queued = response.headers.get("x-mirbad-queue-ms")
+                # The tiny model may stop early: a whole stream ends in [DONE] either way.
                 results.append(
-                    (response.status_code, float(queued) if queued else None, body.count(b"data:"))
+                    (response.status_code, float(queued) if queued else None, b"[DONE]" in body)
                 )
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -123,7 +124,7 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
 
         assert len(results) == 12
         assert all(status == 200 for status, _, _ in results), results
-        assert all(chunks > 2 for _, _, chunks in results), results
+        assert all(done for _, _, done in results), results
         waits = sorted(q for _, q, _ in results if q is not None)
         assert len(waits) == 12, "every answer carries x-mirbad-queue-ms"
         # Two slots, twelve requests at once: at least ten of them waited for one.

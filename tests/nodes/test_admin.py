@@ -125,6 +125,8 @@ def test_key_hash_scopes_and_revocation_are_read_only(admin_client: Client) -> N
         {
             "name": "renamed",
             "model_allowlist": "[]",
+            "priority": "0",
+            "budget_timezone": "UTC",
             "scopes": '["admin", "chat"]',
             "key_hash": "0" * 64,
             "revoked_at_0": "2020-01-01",

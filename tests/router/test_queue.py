@@ -274,3 +274,32 @@ async def test_full_says_when_the_line_holds_its_bound(
     queues[0].release(holder, entry.capacities)
     grant = await asyncio.wait_for(waiter, 5)
     queues[1].release(grant, entry.capacities)
+
+
+async def test_after_a_failure_no_request_waits_on_redis_until_a_probe_answers() -> None:
+    """A stalled Redis costs one timeout, then requests are served without the queue."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+        await reader.read(65536)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    stalled = aioredis.Redis(host="127.0.0.1", port=server.sockets[0].getsockname()[1])
+    queue = FairQueue(redis=stalled, call_timeout=0.2)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        assert await queue.acquire(_entry(_name())) is None
+        assert loop.time() - started >= 0.2  # the one timeout
+        started = loop.time()
+        for _ in range(5):
+            assert await queue.acquire(_entry(_name())) is None
+        assert loop.time() - started < 0.1  # none waited
+        assert not queue.usable()
+    finally:
+        server.close()
+        for writer in accepted:
+            writer.close()
+        await queue.stop()
+        await stalled.aclose()
