@@ -43,6 +43,9 @@ def _statuses(models: list[ModelDefinition]) -> dict[str, Any]:
 
 
 def _model_answer(model: ModelDefinition, status_code: int = 200) -> Response:
+    # Read again with its placements and their nodes: the answer lists every replica,
+    # and reading each one's node on its own was three queries a replica.
+    model = ModelDefinition.objects.prefetch_related("placements__node").get(pk=model.pk)
     answer = ModelSerializer(model, context={"statuses": _statuses([model])})
     return Response(answer.data, status=status_code)
 
