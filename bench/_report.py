@@ -1,12 +1,28 @@
-"""The benchmark's markdown: results tables, the targets, and the block in docs/performance.md."""
+"""The benchmark's markdown: results tables, the targets, and the block in docs/performance.md.
+
+Also the frame bench/router.py and bench/fair_queue.py share around a run: ``run_cleanly``
+(a work directory, Ctrl-C and SIGTERM, every process stopped) and ``publish`` (the raw
+JSON, the markdown block printed and put between the bench's markers in the doc).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import re
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import _procs
+from bench._tools import say
+
+ROOT = Path(__file__).resolve().parent.parent
 BEGIN = "<!-- bench-router:results:begin (written by bench/router.py; edits here are replaced) -->"
 END = "<!-- bench-router:results:end -->"
 
@@ -370,13 +386,109 @@ def _throughput_table(results: dict[str, Any], paths: dict[str, Any]) -> list[st
     return lines
 
 
-def update_doc(doc: Path, block: str) -> None:
+# -- the frame of a bench command ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Marks:
+    """Where a bench's block goes in its doc: between ``begin`` and ``end`` (matched on
+    ``begin`` up to its " (" note), else appended under ``section``."""
+
+    begin: str
+    end: str
+    section: str
+
+
+ROUTER_MARKS = Marks(BEGIN, END, "## Results")
+
+
+class Interrupted(Exception):
+    """SIGTERM during a run: stopped as Ctrl-C is."""
+
+
+def update_doc(doc: Path, block: str, marks: Marks = ROUTER_MARKS) -> None:
     """Replace what lies between the markers (or append a section with them)."""
     text = doc.read_text() if doc.exists() else "# Performance\n"
-    new = f"{BEGIN}\n{block}\n{END}"
-    pattern = re.compile(re.escape(BEGIN.split(" (")[0]) + r".*?" + re.escape(END), re.S)
+    new = f"{marks.begin}\n{block}\n{marks.end}"
+    pattern = re.compile(
+        re.escape(marks.begin.split(" (")[0]) + r".*?" + re.escape(marks.end), re.S
+    )
     if pattern.search(text):
         text = pattern.sub(lambda _m: new, text, count=1)
     else:
-        text = text.rstrip("\n") + "\n\n## Results\n\n" + new + "\n"
+        text = text.rstrip("\n") + f"\n\n{marks.section}\n\n{new}\n"
     doc.write_text(text)
+
+
+def run_cleanly(
+    run: Callable[[_procs.Processes, Path], dict[str, Any]],
+    *,
+    prefix: str,
+    keep: bool,
+    stack_logs: str,
+) -> tuple[int, dict[str, Any] | None]:
+    """(exit status, results) of ``run`` in a fresh work directory under /tmp.
+
+    Ctrl-C and SIGTERM stop it (130), a RuntimeError fails it (1); whatever happens,
+    every process it started is stopped, and the directory is removed unless ``keep``
+    or the run failed (its logs, and the stacks' under ``stack_logs``, then stay)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    procs = _procs.Processes(work / "logs")
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise Interrupted(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    code = 0
+    results: dict[str, Any] | None = None
+    try:
+        results = run(procs, work)
+    except (KeyboardInterrupt, Interrupted):
+        say("interrupted; stopping everything")
+        code = 130
+    except RuntimeError as exc:
+        say(f"failed: {exc}")
+        code = 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        procs.stop_all()
+        if keep or code == 1:
+            say(
+                f"work directory kept: {work} (logs in {work / 'logs'}, "
+                f"stack logs in {work / stack_logs})"
+            )
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return code, results
+
+
+def stamp(results: dict[str, Any]) -> str:
+    """The run's end time as it goes into a results file's name (2026-12-04T131500Z)."""
+    return str(results["meta"]["finished"]).replace(":", "").replace("+0000", "Z")
+
+
+def publish(
+    results: dict[str, Any],
+    target: Path,
+    render: Callable[[dict[str, Any]], str],
+    *,
+    doc: Path | None,
+    marks: Marks,
+) -> None:
+    """Write ``results`` as JSON to ``target`` (named in its meta, relative to the
+    repository where it lies inside it), print ``render``'s markdown, and put it
+    into ``doc`` between ``marks`` (None: the doc is left alone)."""
+    with contextlib.suppress(ValueError):
+        results["meta"]["json"] = str(target.resolve().relative_to(ROOT))
+    results["meta"].setdefault("json", str(target))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(results, indent=2) + "\n")
+    block = render(results)
+    print("\n" + block + "\n", flush=True)
+    if doc is not None:
+        update_doc(doc, block, marks)
+        say(f"wrote {doc.relative_to(ROOT)} and {results['meta']['json']}")
+    else:
+        say(f"wrote {results['meta']['json']}")

@@ -44,11 +44,7 @@ import datetime as dt  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
-import re  # noqa: E402
 import shlex  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import tempfile  # noqa: E402
 import time  # noqa: E402
 import urllib.request  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -56,27 +52,23 @@ from typing import Any  # noqa: E402
 
 import aiohttp  # noqa: E402
 
-from bench import _procs  # noqa: E402
+from bench import _procs, _report  # noqa: E402
 from bench._load import CHAT_PATH  # noqa: E402
 from bench._paths import MODEL, MirbadStack  # noqa: E402
 from bench._tools import loud, say  # noqa: E402
 
 DOC = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "bench" / "results"
-BEGIN = (
-    "<!-- bench-queue:results:begin (written by bench/fair_queue.py; edits here are replaced) -->"
+MARKS = _report.Marks(
+    begin="<!-- bench-queue:results:begin (written by bench/fair_queue.py; edits here are replaced) -->",
+    end="<!-- bench-queue:results:end -->",
+    section="## Fair queue (issue 18, bench/fair_queue.py)",
 )
-END = "<!-- bench-queue:results:end -->"
-SECTION = "## Fair queue (issue 18, bench/fair_queue.py)"
 # Far above what the run sends: the key's own limits must not be what holds requests.
 KEY_LIMITS = {"rpmLimit": 1_000_000_000, "tpmLimit": 2_000_000_000, "concurrencyLimit": 100_000}
 DRAIN_LIMIT = 90.0  # most seconds to wait for the last answers after the arrivals end
 REQUEST_TIMEOUT = 120.0
 MODES = ("on", "off")
-
-
-class Interrupted(Exception):
-    pass
 
 
 # -- the load --------------------------------------------------------------------------
@@ -493,18 +485,6 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def update_doc(doc: Path, block: str) -> None:
-    """Replace what lies between this bench's markers (or append its section)."""
-    text = doc.read_text() if doc.exists() else "# Performance\n"
-    new = f"{BEGIN}\n{block}\n{END}"
-    pattern = re.compile(re.escape(BEGIN.split(" (")[0]) + r".*?" + re.escape(END), re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: new, text, count=1)
-    else:
-        text = text.rstrip("\n") + f"\n\n{SECTION}\n\n{new}\n"
-    doc.write_text(text)
-
-
 # -- the command -----------------------------------------------------------------------
 
 
@@ -609,48 +589,16 @@ def run(args: argparse.Namespace, procs: _procs.Processes, work: Path) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="mirbad-bench-queue-", dir="/tmp"))
-    procs = _procs.Processes(work / "logs")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    code = 0
-    results: dict[str, Any] | None = None
-    try:
-        results = run(args, procs, work)
-    except (KeyboardInterrupt, Interrupted):
-        say("interrupted; stopping everything")
-        code = 130
-    except RuntimeError as exc:
-        say(f"failed: {exc}")
-        code = 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        procs.stop_all()
-        if args.keep or code == 1:
-            say(f"work directory kept: {work} (logs in {work / 'logs'}, stack logs in var-*/logs)")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    code, results = _report.run_cleanly(
+        lambda procs, work: run(args, procs, work),
+        prefix="mirbad-bench-queue-",
+        keep=args.keep,
+        stack_logs="var-*/logs",
+    )
     if results is None:
         return code
-    stamp = results["meta"]["finished"].replace(":", "").replace("+0000", "Z")
-    target = args.json or RESULTS / f"queue-{stamp}.json"
-    with contextlib.suppress(ValueError):
-        results["meta"]["json"] = str(target.resolve().relative_to(ROOT))
-    results["meta"].setdefault("json", str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(results, indent=2) + "\n")
-    block = render(results)
-    print("\n" + block + "\n", flush=True)
-    if not args.no_doc:
-        update_doc(DOC, block)
-        say(f"wrote {DOC.relative_to(ROOT)} and {results['meta']['json']}")
-    else:
-        say(f"wrote {results['meta']['json']}")
+    target = args.json or RESULTS / f"queue-{_report.stamp(results)}.json"
+    _report.publish(results, target, render, doc=None if args.no_doc else DOC, marks=MARKS)
     missed = [t for t in results["targets"] if not t["met"]]
     return 2 if missed else 0
 

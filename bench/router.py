@@ -29,15 +29,12 @@ import argparse
 import contextlib
 import datetime as dt
 import importlib.metadata
-import json
 import os
 import platform
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -73,10 +70,6 @@ PATH_ORDER = ("direct", "nginx", "hops", "mirbad", "litellm")
 PARTS = ("wrk", "streams", "throughput")
 DOC = ROOT / "docs" / "performance.md"
 RESULTS = ROOT / "bench" / "results"
-
-
-class Interrupted(Exception):
-    pass
 
 
 def _stack_env() -> dict[str, str]:
@@ -444,50 +437,18 @@ def _run_with_stack(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="mirbad-bench-", dir="/tmp"))
-    procs = _procs.Processes(work / "logs")
-
-    def on_term(signum: int, frame: Any) -> None:
-        raise Interrupted(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, on_term)
-    code = 0
-    results: dict[str, Any] | None = None
-    try:
-        results = run(args, procs, work)
-    except (KeyboardInterrupt, Interrupted):
-        say("interrupted; stopping everything")
-        code = 130
-    except RuntimeError as exc:
-        say(f"failed: {exc}")
-        code = 1
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        procs.stop_all()
-        if args.keep or code == 1:
-            say(
-                f"work directory kept: {work} (logs in {work / 'logs'}, stack logs in {work / 'var' / 'logs'})"
-            )
-        else:
-            shutil.rmtree(work, ignore_errors=True)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    code, results = _report.run_cleanly(
+        lambda procs, work: run(args, procs, work),
+        prefix="mirbad-bench-",
+        keep=args.keep,
+        stack_logs="var/logs",
+    )
     if results is None:
         return code
-    stamp = results["meta"]["finished"].replace(":", "").replace("+0000", "Z")
-    target = args.json or RESULTS / f"router-{stamp}{'-quick' if args.quick else ''}.json"
-    with contextlib.suppress(ValueError):
-        results["meta"]["json"] = str(target.resolve().relative_to(ROOT))
-    results["meta"].setdefault("json", str(target))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(results, indent=2) + "\n")
-    block = _report.render(results)
-    print("\n" + block + "\n", flush=True)
-    if not args.no_doc:
-        _report.update_doc(DOC, block)
-        say(f"wrote {DOC.relative_to(ROOT)} and {results['meta']['json']}")
-    else:
-        say(f"wrote {results['meta']['json']}")
+    quick = "-quick" if args.quick else ""
+    target = args.json or RESULTS / f"router-{_report.stamp(results)}{quick}.json"
+    doc = None if args.no_doc else DOC
+    _report.publish(results, target, _report.render, doc=doc, marks=_report.ROUTER_MARKS)
     return code
 
 

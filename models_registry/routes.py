@@ -2,8 +2,8 @@
 
 A route (``models_registry.models.Route``) is what a client may put in ``model``
 instead of a served name; the router sends the request to the first target that can
-take it now and falls back to the next (router.routing ``candidates``, router.app
-``_serve``). The rules, written here once:
+take it now and falls back to the next (router.routing ``candidates``, router.serving
+``Serving.serve``). The rules, written here once:
 
 * a route's name follows the served-name rule (``services.clean_served_name``) and
   never equals a served name (and no model may take a route's name:

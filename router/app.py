@@ -1,11 +1,12 @@
 """The /v1 router: a lean ASGI app ahead of Django (docs/architecture.md).
 
 Per request: authenticate the key (cached), read the body up to 64 MiB to find
-``model``, resolve the served name to a ready replica (registry + status
-cache, never an agent call), and stream the engine's answer back through the
-agent's proxy chunk by chunk. The agent package's lean wire client (D29)
-carries the data path with pooled keep-alive connections; each node's TLS
-context pins that node's identity.
+``model``, resolve it to its candidates (registry + status cache, never an agent
+call), let router.serving choose the candidate and the replica (fair queue, load
+on demand, fallbacks), and stream the engine's answer back through the agent's
+proxy chunk by chunk (``RouterApp._proxy``). The agent package's lean wire
+client (D29) carries the data path with pooled keep-alive connections; each
+node's TLS context pins that node's identity.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,17 +36,17 @@ from protocol.errors import (
     WireError,
 )
 from protocol.wire import WirePool, WireResponse
-from router import errors, fleet_metrics, metrics, ondemand, sse, transform
-from router import queue as queue_mod
+from router import errors, fleet_metrics, metrics, sse, transform
 from router.budgets import Budgets
 from router.errors import V1Error
 from router.invalidation import Listener
-from router.keys import KeyInfo
 from router.limits import Limiter
 from router.queue import FairQueue
 from router.recent import recent as recent_requests
 from router.relay import ClientGone, Receive, Send, WholeReader, stream, tee
-from router.routing import Replica, Route, RoutingTable
+from router.routing import Replica, RoutingTable
+from router.serving import Request, RetryableBeforeFirstByte, Serving, send_sse_error
+from router.serving import Scope as Scope  # mirbad_site.asgi types its dispatch with it
 from router.usage import UsageMeter
 
 log = logging.getLogger("mirbad.router")
@@ -79,29 +78,6 @@ HOP_BY_HOP = {
 # Agent errors are marked by the agent's ERROR_HEADER; engine errors pass through untouched.
 AGENT_ERROR_BYTES = ERROR_HEADER.encode()
 
-Scope = dict[str, Any]
-
-
-@dataclass(slots=True)
-class _Request:
-    """What the metrics need to know about one request, filled in as it goes."""
-
-    started: float
-    model: str = "unknown"
-    key_prefix: str = "none"
-    status: int = 200
-    error_code: str | None = None
-    ttfb: float | None = None
-    overhead: float | None = None
-    usage: tuple[int, int] | None = None
-    key: KeyInfo | None = None  # set once the request is metered, with the name it used
-    metered_as: str = ""
-    queue_wait: float | None = None  # seconds in the fair queue, once a slot was granted
-    stream: bool = False  # the body asked for "stream": true
-    # 200 text/event-stream was sent while a load on demand waited (router.ondemand): the
-    # answer continues that stream, and an error ends it as one SSE error event.
-    sse_started: bool = False
-
 
 class _TooLarge(Exception):
     pass
@@ -121,6 +97,7 @@ class RouterApp:
         self.budgets = Budgets(self.meter)
         self._limiters: dict[int, Limiter] = {}
         self._queues: dict[int, FairQueue] = {}
+        self.serving = Serving(self.table, self.queue, self._proxy)
 
     def apply(self, message: dict[str, Any]) -> None:
         """One invalidation (router.invalidation): the caches, and a node's old contexts."""
@@ -234,13 +211,13 @@ class RouterApp:
             await self._lifespan(receive, send)
             return
         started = time.perf_counter()
-        request = _Request(started=started)
+        request = Request(started=started)
         try:
             await self._handle(scope, receive, send, request)
         except V1Error as exc:
             request.status, request.error_code = exc.status, exc.code
             if request.sse_started:
-                await _send_sse_error(send, exc.body())
+                await send_sse_error(send, exc.body())
             else:
                 await self._send_error(send, exc, started)
         except ClientGone as exc:
@@ -295,7 +272,7 @@ class RouterApp:
             await send({"type": "http.response.start", "status": exc.status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, request: _Request) -> None:
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, request: Request) -> None:
         path: str = scope["path"]
         method: str = scope["method"]
         headers = {k.lower(): v for k, v in scope.get("headers", [])}
@@ -337,8 +314,8 @@ class RouterApp:
         usage: tuple[int, int] | None = None
         metrics.inc_in_flight(name)
         try:
-            usage = await self._serve(scope, receive, send, key, name, candidates, headers,
-                                      body, data, request)  # fmt: skip
+            usage = await self.serving.serve(scope, receive, send, key, name, candidates,
+                                             headers, body, data, request)  # fmt: skip
         finally:
             metrics.dec_in_flight(name)
             prompt, completion = usage or request.usage or (0, 0)
@@ -349,214 +326,6 @@ class RouterApp:
             request.key, request.metered_as = key, request.model
             if usage or request.usage:
                 metrics.add_tokens(request.model, key.prefix, prompt, completion)
-
-    async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        key: KeyInfo,
-        name: str,
-        candidates: list[Route],
-        headers: dict[bytes, bytes],
-        body: bytes,
-        data: dict[str, Any],
-        request: _Request,
-    ) -> tuple[int, int] | None:
-        """Serve one request on the first candidate that can take it; returns the usage.
-
-        ``candidates`` is one served name's route, or an alias's targets in order
-        (models_registry.routes). The first that can take the request now is used; when
-        none can, the first that loads on demand is loaded, else the first is tried so
-        that its own error (maintenance, offline, not ready) is the client's. A failure
-        before the first byte on every replica of a target moves on to the next target.
-        """
-        start = 0
-        # A served name that does not load on demand starts at its one route whatever the
-        # answer: no look ahead on the common path.
-        if len(candidates) > 1 or candidates[0].load_on_demand:
-            for index, candidate in enumerate(candidates):
-                if await self._can_take(candidate):
-                    start = index
-                    break
-            else:
-                loader = next((c for c in candidates if c.load_on_demand), None)
-                if loader is not None:
-                    await self._load_on_demand(loader, scope, send, request)
-                    start = candidates.index(loader)
-        failed: list[tuple[str, str]] = []  # (target, why) of targets tried and left
-        last: V1Error = errors.model_not_ready(name)
-        for index in range(start, len(candidates)):
-            route = candidates[index]
-            more = index + 1 < len(candidates)
-            if index > start and not await self._can_take(route):
-                failed.append((route.served_name, "cannot take a request now"))
-                continue
-            try:
-                usage = await self._serve_on(scope, receive, send, key, name, route, headers,
-                                             body, data, request, more=more)  # fmt: skip
-            except _RetryableBeforeFirstByte as exc:
-                if not more:
-                    raise exc.error from None
-                last = exc.error
-                failed.append((route.served_name, exc.error.message))
-                continue
-            except V1Error:
-                if index > 0:  # a later target answered, with its error
-                    await self._fell_back(name, candidates[:index], failed, route)
-                raise
-            if index > 0:
-                await self._fell_back(name, candidates[:index], failed, route)
-            return usage
-        raise last
-
-    async def _serve_on(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        key: KeyInfo,
-        name: str,
-        route: Route,
-        headers: dict[bytes, bytes],
-        body: bytes,
-        data: dict[str, Any],
-        request: _Request,
-        *,
-        more: bool,
-    ) -> tuple[int, int] | None:
-        """One candidate: a replica from the fair queue (router.queue), then the proxy; a
-        failure before the first byte tries another replica, then raises
-        ``_RetryableBeforeFirstByte`` (``more``: a later candidate may take it)."""
-        request.model = route.served_name
-        if route.served_name != name:  # an alias's target, served under its own name
-            body, data = transform.with_model(data, route.served_name)
-        prepared = transform.prepare(
-            scope["path"], body, emulate_dimensions=route.emulate_dimensions, data=data
-        )
-        tried: set[str] = set()
-        last: _RetryableBeforeFirstByte | None = None
-        for attempt in range(2):
-            try:
-                replica, release = await self._slot(route, key, tried, receive, request)
-            except V1Error:
-                if last is None or not more:
-                    raise
-                raise last from None  # no other replica now: the next candidate may take it
-            tried.add(replica.instance_id)
-            try:
-                return await self._proxy(scope, receive, send, replica, headers, prepared,
-                                         request)  # fmt: skip
-            except _RetryableBeforeFirstByte as exc:
-                if attempt == 1 or len(route.replicas) <= len(tried):
-                    raise
-                last = exc
-                log.info("Retrying %s on another replica: %s", name, exc.error.message)
-            finally:
-                await release()
-        raise errors.model_not_ready(name)
-
-    async def _can_take(self, route: Route) -> bool:
-        """Whether ``route`` can take a request now: a replica that takes traffic (Ready,
-        not draining, not in maintenance) and room in its fair queue (router.queue). An
-        alias moves on to its next target if not."""
-        if not await self.table.ready_replicas(route):
-            return False
-        if not settings.MIRBAD.queue_enabled:
-            return True
-        bound = route.queue_max if route.queue_max is not None else settings.MIRBAD.queue_max
-        return not await self.queue().full(route.served_name, bound)
-
-    async def _fell_back(
-        self, name: str, passed: list[Route], failed: list[tuple[str, str]], used: Route
-    ) -> None:
-        """Log and count a request to the route ``name`` that a later target took."""
-        why = dict(failed)
-        reasons = []
-        for route in passed:
-            reason = why.get(route.served_name) or await self._why_not(route)
-            reasons.append(f"'{route.served_name}' ({reason})")
-        log.info("Route %s: skipped %s; served by '%s'", name, ", ".join(reasons),
-                 used.served_name)  # fmt: skip
-        metrics.count_fallback(name, used.served_name)
-
-    async def _why_not(self, route: Route) -> str:
-        """Why ``route`` could not take a request, for the fallback's log line."""
-        try:
-            await self.table.pick(route)
-        except V1Error as exc:
-            return exc.message
-        return "no free place for the request"
-
-    async def _load_on_demand(
-        self, route: Route, scope: Scope, send: Send, request: _Request
-    ) -> None:
-        """Start ``route``'s stopped model and wait until it is Ready (router.ondemand).
-
-        The wait counts as queued (``queue_wait``). A stream waiting past a second gets
-        its 200 text/event-stream headers and an SSE comment line every 5 s, so that
-        proxies do not cut it; the answer then continues that stream (_proxy)."""
-
-        async def keepalive() -> None:
-            if not request.sse_started:
-                request.sse_started = True
-                request.status = 200
-                await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
-            line = f": loading {route.served_name}\n\n".encode()
-            await send({"type": "http.response.body", "body": line, "more_body": True})
-
-        client = scope.get("client")
-        actor = f"key {request.key_prefix}… from {client[0] if client else '?'}"
-        waited = await ondemand.loader_for(self.table).wait(
-            route, actor=actor, tick=keepalive if request.stream else None
-        )
-        request.queue_wait = (request.queue_wait or 0.0) + waited
-
-    async def _slot(
-        self, route: Route, key: KeyInfo, tried: set[str], receive: Receive, request: _Request
-    ) -> tuple[Replica, Callable[[], Awaitable[None]]]:
-        """A replica of ``route`` with a free slot, and the call that frees the slot
-        (awaited exactly once, when the answer ended): at once when a slot is free, else
-        after a wait in the model's fair queue (router.queue).
-
-        Not a context manager: V1Error is a frozen dataclass, and contextlib's exit
-        would fail assigning its traceback."""
-        ready = [r for r in await self.table.ready_replicas(route) if r.instance_id not in tried]
-        if not ready or not settings.MIRBAD.queue_enabled:
-            return await self.table.pick(route, exclude=tried), _nothing  # says why none
-
-        def capacities(replicas: list[Replica]) -> list[tuple[str, int]]:
-            return queue_mod.shuffled([(r.instance_id, route.capacity) for r in replicas])
-
-        async def capacities_now() -> list[tuple[str, int]]:
-            fresh = await self.table.ready_replicas(route)
-            return capacities([r for r in fresh if r.instance_id not in tried])
-
-        timeouts = [t for t in (key.queue_timeout, route.queue_timeout) if t is not None]
-        entry = queue_mod.Entry(
-            name=route.served_name,
-            capacities=capacities(ready),
-            priority=key.priority,
-            key_id=key.id,
-            bound=route.queue_max if route.queue_max is not None else settings.MIRBAD.queue_max,
-            timeout=min(timeouts) if timeouts else settings.MIRBAD.queue_timeout,
-        )
-        queue = self.queue()
-        try:
-            grant = await queue.acquire(entry, receive=receive, capacities_now=capacities_now)
-        finally:
-            if request.queue_wait is None:
-                request.queue_wait = 0.0
-        if grant is None:  # Redis away: fail open, uncounted (router.queue)
-            return await self.table.pick(route, exclude=tried), _nothing
-        # A load on demand before (router.ondemand) counts as queued too.
-        request.queue_wait = (request.queue_wait or 0.0) + grant.waited
-        metrics.observe_queue_wait(route.served_name, request.queue_wait)
-        replica = next((r for r in route.replicas if r.instance_id == grant.instance_id), None)
-        if replica is None:  # the placement went away while the request waited
-            await queue.release_now(grant, entry.capacities)
-            raise errors.model_not_ready(route.served_name)
-        return replica, lambda: queue.release_now(grant, entry.capacities)
 
     async def _metrics(self, send: Send, key: Any) -> None:
         """Prometheus text: this web process's router families and the fleet's
@@ -657,7 +426,7 @@ class RouterApp:
         replica: Replica,
         headers: dict[bytes, bytes],
         prepared: transform.Prepared,
-        request: _Request,
+        request: Request,
     ) -> tuple[int, int] | None:
         """Send one request to one replica and stream the answer; returns the usage seen."""
         node = replica.node
@@ -691,9 +460,7 @@ class RouterApp:
             except (ConnectFailed, Disconnected, OSError) as exc:
                 # Nothing of the answer arrived: another replica may take the request.
                 log.warning("Node %s unreachable for %s: %s", node.node_id, name, exc)
-                raise _RetryableBeforeFirstByte(
-                    errors.node_unreachable(name, node.node_id)
-                ) from exc
+                raise RetryableBeforeFirstByte(errors.node_unreachable(name, node.node_id)) from exc
             except WireError as exc:
                 raise errors.upstream_unavailable(
                     f"Node '{node.node_id}' answered badly: {exc}"
@@ -708,7 +475,7 @@ class RouterApp:
                 if prefetched is not None and b"oading" in prefetched:
                     # llama-server answers 503 "Loading model" while it (re)loads: nothing
                     # was sent to the client yet, so another replica may take it.
-                    raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
+                    raise RetryableBeforeFirstByte(errors.model_not_ready(name))
                 ok = 200 <= response.status < 300
                 streamed = "text/event-stream" in (response.header("content-type") or "")
                 length = response.content_length
@@ -738,7 +505,7 @@ class RouterApp:
                     # The headers went out during the load (router.ondemand).
                     if not ok:
                         body = prefetched if prefetched is not None else await whole.read()
-                        await _send_sse_error(send, body)
+                        await send_sse_error(send, body)
                         return None
                 else:
                     await send(
@@ -790,18 +557,12 @@ class RouterApp:
         except Exception:
             message = code
         if code == AgentCode.MODEL_NOT_RUNNING:
-            raise _RetryableBeforeFirstByte(errors.model_not_ready(name))
+            raise RetryableBeforeFirstByte(errors.model_not_ready(name))
         if code == AgentCode.SERVER_BUSY:
             raise V1Error(503, "server_busy", f"Node '{node_id}' is at its limit.", retry_after=5)
         if code == AgentCode.CLIENT_NOT_MASTER:
             raise errors.upstream_unavailable(f"Node '{node_id}' refused the master: {message}")
         raise errors.upstream_unavailable(message)
-
-
-class _RetryableBeforeFirstByte(Exception):
-    def __init__(self, error: V1Error) -> None:
-        super().__init__(error.message)
-        self.error = error
 
 
 async def _read_body(receive: Receive, headers: dict[bytes, bytes]) -> bytes:
@@ -851,32 +612,6 @@ def _parse(body: bytes) -> dict[str, Any]:
 
 def _ms_of(seconds: float) -> bytes:
     return f"{seconds * 1000:.2f}".encode()
-
-
-async def _nothing() -> None:
-    pass
-
-
-SSE_HEADERS = [
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache"),
-    (b"x-accel-buffering", b"no"),  # nginx: pass each line on at once
-]
-
-
-async def _send_sse_error(send: Send, body: bytes) -> None:
-    """End a stream whose headers are out with one ``data: {"error": ...}`` event (an
-    engine's error body as it is when it is such an object, else wrapped)."""
-    try:
-        parsed = json.loads(body)
-    except JSON_ERRORS:
-        parsed = None
-    if not (isinstance(parsed, dict) and isinstance(parsed.get("error"), dict)):
-        text = body.decode("utf-8", "replace")[:4000]
-        parsed = {"error": {"message": text, "type": "server_error", "code": "engine_error"}}
-    event = b"data: " + json.dumps(parsed).encode() + b"\n\n"
-    with contextlib.suppress(Exception):
-        await send({"type": "http.response.body", "body": event, "more_body": False})
 
 
 def _ms(started: float) -> bytes:

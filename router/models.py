@@ -69,7 +69,26 @@ class ApiKey(models.Model):
         return self.expires_at is None or self.expires_at > timezone.now()
 
 
-class UsageRecord(models.Model):
+class UsageCounts(models.Model):
+    """What every usage row counts: requests, tokens and errors of one key (by its
+    prefix too, readable after the key row is deleted) on one served name, in the
+    period its concrete table names (an hour, a day, a month).
+
+    The key's foreign key is in each table: its reverse name differs per table.
+    """
+
+    key_prefix = models.CharField(max_length=16)
+    model = models.CharField(max_length=200, help_text="The served name")
+    requests = models.PositiveBigIntegerField(default=0)
+    prompt_tokens = models.PositiveBigIntegerField(default=0)
+    completion_tokens = models.PositiveBigIntegerField(default=0)
+    errors = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        abstract = True
+
+
+class UsageRecord(UsageCounts):
     """Requests and tokens of one key on one served name in one UTC hour.
 
     Written by ``router.usage.UsageMeter`` with atomic increments, so several
@@ -80,12 +99,9 @@ class UsageRecord(models.Model):
     key = models.ForeignKey(
         ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage"
     )
-    key_prefix = models.CharField(max_length=16)
-    model = models.CharField(max_length=200, help_text="The served name")
     hour = models.DateTimeField(help_text="Start of the UTC hour")
-    requests = models.PositiveBigIntegerField(default=0)
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
+    # The shared column with the help text it has had since migration 0003; the rollups'
+    # have none (0005), and adding one there would be a migration for a label.
     errors = models.PositiveBigIntegerField(
         default=0, help_text="Requests answered with an error (status >= 400 or a stream error)"
     )
@@ -101,7 +117,7 @@ class UsageRecord(models.Model):
         return f"{self.key_prefix} {self.model} {self.hour:%Y-%m-%d %H}h"
 
 
-class UsageDay(models.Model):
+class UsageDay(UsageCounts):
     """Requests and tokens of one key on one served name in one UTC day.
 
     A rollup of ``UsageRecord``, added to by the same flush in the same transaction
@@ -111,13 +127,7 @@ class UsageDay(models.Model):
     key = models.ForeignKey(
         ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_days"
     )
-    key_prefix = models.CharField(max_length=16)
-    model = models.CharField(max_length=200, help_text="The served name")
     day = models.DateField(help_text="The UTC day")
-    requests = models.PositiveBigIntegerField(default=0)
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
-    errors = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         ordering = ["day", "id"]
@@ -130,7 +140,7 @@ class UsageDay(models.Model):
         return f"{self.key_prefix} {self.model} {self.day:%Y-%m-%d}"
 
 
-class UsageMonth(models.Model):
+class UsageMonth(UsageCounts):
     """Requests and tokens of one key on one served name in one UTC month (its first day).
 
     A rollup of ``UsageRecord`` like ``UsageDay``, written by the same flush.
@@ -139,13 +149,7 @@ class UsageMonth(models.Model):
     key = models.ForeignKey(
         ApiKey, null=True, blank=True, on_delete=models.SET_NULL, related_name="usage_months"
     )
-    key_prefix = models.CharField(max_length=16)
-    model = models.CharField(max_length=200, help_text="The served name")
     month = models.DateField(help_text="The first day of the UTC month")
-    requests = models.PositiveBigIntegerField(default=0)
-    prompt_tokens = models.PositiveBigIntegerField(default=0)
-    completion_tokens = models.PositiveBigIntegerField(default=0)
-    errors = models.PositiveBigIntegerField(default=0)
 
     class Meta:
         ordering = ["month", "id"]

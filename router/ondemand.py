@@ -1,7 +1,7 @@
 """Load on demand in the router: a request for a stopped model starts it and waits.
 
 When no candidate can take a request and a candidate has ``loadOnDemand``
-(RouterApp._serve), :meth:`Loader.wait` starts that model and waits for a Ready
+(router.serving.Serving.serve), :meth:`Loader.wait` starts that model and waits for a Ready
 replica, up to the model's ``loadTimeoutSeconds``:
 
 - **Once**: per process one driver task per served name; across processes a Redis
@@ -17,7 +17,7 @@ replica, up to the model's ``loadTimeoutSeconds``:
 - **Timeout**: ``503 model_load_timeout``; the load itself goes on.
 
 Waiting counts as queued time; a streamed request gets SSE comment lines meanwhile
-(RouterApp._load_on_demand).
+(router.serving.Serving._load_on_demand).
 """
 
 from __future__ import annotations

@@ -133,7 +133,6 @@ class FairQueue:
         self._renewer: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
         self._warned_at = -math.inf
-        self.local_waiting: dict[str, int] = {}  # served name -> requests of this process in line
 
     # -- the request path ---------------------------------------------------------
 
@@ -201,7 +200,6 @@ class FairQueue:
         gone: asyncio.Task[Any] | None = None
         if receive is not None:
             gone = asyncio.ensure_future(_disconnected(receive))
-        self.local_waiting[entry.name] = self.local_waiting.get(entry.name, 0) + 1
         capacities = entry.capacities
         try:
             while True:
@@ -251,7 +249,6 @@ class FairQueue:
             await asyncio.shield(self._leave(entry, ticket, capacities))
             raise
         finally:
-            self.local_waiting[entry.name] -= 1
             if gone is not None and not gone.done():
                 gone.cancel()
 
@@ -476,11 +473,6 @@ def shuffled(capacities: list[tuple[str, int]]) -> list[tuple[str, int]]:
 
 
 # -- readers for the console, /metrics and the load-on-demand logic (sync) -----------
-
-
-def depth(served_name: str) -> int:
-    """Requests waiting for ``served_name`` across all web processes."""
-    return int(status_cache.sync_client().hlen(base(served_name) + "waiters"))
 
 
 def busy_slots(served_name: str) -> int:

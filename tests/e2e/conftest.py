@@ -8,6 +8,7 @@ left behind that belongs to that directory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -149,6 +150,25 @@ class Stack:
     def pid(self, name: str) -> int:
         return int((self.data / "run" / f"{name}.pid").read_text())
 
+    @contextlib.contextmanager
+    def second_web_process(self, timeout: float = 30.0) -> Iterator[str]:
+        """One more web process of this master (same data, database and Redis), as a
+        second worker behind a load balancer; yields its URL once /healthz answers 200,
+        and stops it at the end."""
+        port = free_port()
+        process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
+             "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
+            cwd=ROOT, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _healthy(url), timeout, "the second web process")
+            yield url
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+
     def stop(self, timeout: float = 60.0) -> int:
         assert self.process is not None
         self.process.send_signal(signal.SIGTERM)
@@ -185,6 +205,13 @@ class Stack:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _fresh_database(env: dict[str, str]) -> tuple[str, str] | None:

@@ -10,8 +10,6 @@ what the queue is for.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import ROOT, create_and_start, free_port, llama_server_or_fail, wait_for
+from tests.e2e.conftest import create_and_start, llama_server_or_fail
 
 pytestmark = pytest.mark.slow
 
@@ -65,15 +63,8 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
     engine_port, engine_key = _engine(stack.data)
     engine = f"http://127.0.0.1:{engine_port}"
 
-    port = free_port()
-    second = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
-         "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
-        cwd=ROOT, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        urls = [stack.url, f"http://127.0.0.1:{port}"]
-        wait_for(lambda: _up(urls[1]), 30, "the second web process")
+    with stack.second_web_process() as second:
+        urls = [stack.url, second]
 
         most = {"processing": 0.0, "deferred": 0.0}
         sampling = True
@@ -137,13 +128,3 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
 
         metrics = api.get("/metrics").text
         assert "mirbad_v1_queue_wait_seconds_count" in metrics
-    finally:
-        second.terminate()
-        second.wait(timeout=30)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code < 500
-    except httpx.HTTPError:
-        return False

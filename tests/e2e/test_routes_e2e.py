@@ -8,15 +8,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, create_and_start, free_port, llama_server_or_fail, wait_for
+from tests.e2e.conftest import create_and_start, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -58,15 +56,8 @@ def test_a_route_is_repointed_everywhere_and_falls_back(make_stack, tmp_path: Pa
     assert created.status_code == 201, created.text
     key = api.post("/api/keys", json={"name": "app", "scopes": ["chat"]}).json()["key"]
 
-    port = free_port()
-    second = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
-         "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
-        cwd=ROOT, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        urls = [stack.url, f"http://127.0.0.1:{port}"]
-        wait_for(lambda: _up(urls[1]), 30, "the second web process")
+    with stack.second_web_process() as second:
+        urls = [stack.url, second]
         # Both processes have the route cached (the TTL alone would keep it 10 s).
         for url in urls:
             assert _answered_by(_ask(url, key)) == "tiny-a"
@@ -117,13 +108,3 @@ def test_a_route_is_repointed_everywhere_and_falls_back(make_stack, tmp_path: Pa
         assert row["completionTokens"] >= 7
         usage_models = {r["model"] for r in api.get("/api/usage").json()["usage"]}
         assert "assistant" not in usage_models  # metered by the served name, never the alias
-    finally:
-        second.terminate()
-        second.wait(timeout=30)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

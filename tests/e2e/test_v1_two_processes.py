@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import ROOT, create_and_start, free_port, llama_server_or_fail, wait_for
+from tests.e2e.conftest import create_and_start, llama_server_or_fail
 
 pytestmark = pytest.mark.slow
 
@@ -34,15 +32,8 @@ def test_rpm_holds_across_two_router_processes(make_stack, tmp_path: Path) -> No
     key = api.post("/api/keys", json={"name": "six", "scopes": ["chat"], "rpmLimit": 6}).json()
 
     # A second web process of the same master: same data, database and Redis.
-    port = free_port()
-    second = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "mirbad_site.asgi:application",
-         "--host", "127.0.0.1", "--port", str(port), "--lifespan", "on", "--no-access-log"],
-        cwd=ROOT, env=stack.env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    try:
-        urls = [stack.url, f"http://127.0.0.1:{port}"]
-        wait_for(lambda: _up(urls[1]), 30, "the second web process")
+    with stack.second_web_process() as second:
+        urls = [stack.url, second]
         # Limits count calendar minutes: start early in one, so all 20 land in it.
         while time.time() % 60 > 40:
             time.sleep(0.5)
@@ -62,13 +53,3 @@ def test_rpm_holds_across_two_router_processes(make_stack, tmp_path: Path) -> No
         assert codes.count(429) == 14, codes
         # Both processes answered some of the six, so neither counted alone.
         assert 200 in codes[0::2] and 200 in codes[1::2], codes
-    finally:
-        second.terminate()
-        second.wait(timeout=30)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/healthz", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

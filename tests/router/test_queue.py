@@ -262,7 +262,7 @@ async def test_redis_away_fails_open() -> None:
 async def test_full_says_when_the_line_holds_its_bound(
     queues: list[FairQueue], clients: list[aioredis.Redis]
 ) -> None:
-    """What an alias asks before it sends a request to a target (router.app._can_take)."""
+    """What an alias asks before it sends a request to a target (Serving._can_take)."""
     name = _name()
     entry = _entry(name, bound=1)
     holder = await queues[0].acquire(entry)
