@@ -13,11 +13,13 @@ from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from console import pager
 from console.access import operator_required
 from console.formats import gib
+from core import paging
 from core.errors import ServiceError
 from core.jsoninput import JSON_ERRORS, NOT_TEXT, first_non_text, why_not_json
-from models_registry import drafts, kpis, lifecycle, services
+from models_registry import drafts, kpis, lifecycle, listing, services
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
 from nodes.status_cache import NodeStatus
@@ -112,9 +114,36 @@ def _get(model_id: int) -> ModelDefinition:
 
 @operator_required
 def models_list(request: HttpRequest) -> HttpResponse:
-    """Every model with its state, nodes, budget and measured memory, flags, queue, actions."""
-    models = list(ModelDefinition.objects.prefetch_related("placements__node"))
-    return render(request, "console/models.html", {"models": _rows(models)})
+    """The models with their state, nodes, budget and measured memory, flags, queue and
+    actions, a page of ``core.paging.PAGE_SIZE`` at a time; search, filters and the page
+    are GET parameters (``q``, ``state``, ``node``, ``page``; models_registry.listing)."""
+    context: dict[str, Any] = {
+        "states": listing.STATES,
+        "q": request.GET.get("q", "").strip()[:100],
+        "state": request.GET.get("state", "")[:200],
+        "node": request.GET.get("node", "").strip()[:40],
+        "models": [],
+    }
+    try:
+        # A long search is cut, as the box cuts it, rather than refused.
+        params = request.GET.copy()
+        params["q"] = context["q"]
+        wanted = listing.parse_filter(params, search_name="q")
+        number = paging.page_number(request.GET)
+        found = listing.select(wanted, paging.Page(number=number, pages=number).window)
+        page = paging.console_page(number, found.count)
+        if page.number != number:  # past the last page (a shared link, fewer models now)
+            found = listing.select(wanted, page.window)
+    except ServiceError as exc:
+        context["notice"] = exc.message
+        return render(request, "console/models.html", context, status=exc.status)
+    context.update(
+        models=_rows(found.models),
+        total=found.total,
+        filtered=wanted.active or page.number > 1,
+        pager=pager.links(request.GET, page, found.count),
+    )
+    return render(request, "console/models.html", context)
 
 
 @operator_required

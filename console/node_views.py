@@ -6,16 +6,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Any, Literal
 
-from django.db.models import Prefetch
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
 
+from console import pager
 from console.access import operator_required
 from console.formats import age_text, gib, iso_epoch, when
+from core import paging
+from core.errors import ServiceError
 from models_registry.models import Placement
-from nodes import events, operations, rotation, telemetry
+from nodes import events, listing, operations, rotation, telemetry
 from nodes import status as node_status
 from nodes.models import AuditEvent, CertRotation, MasterOperation, Node
 from nodes.status_cache import NodeStatus
@@ -23,15 +26,10 @@ from protocol.states import InstanceState
 
 # A sample older than this is never shown as current (docs/decisions.md D63).
 CURRENT_FOR_SECONDS = telemetry.CURRENT_SECONDS
-# The Nodes list's state filter offers these; anything else is ignored with a message.
-FILTERS = ("all", "attention", "pending", "draining", "maintenance")
+# The Nodes list's chips (nodes.listing.SHOW); anything else is ignored with a message.
+FILTERS = listing.SHOW
 MAX_QUERY = 100
-
-
-def open_rotations() -> Prefetch:
-    return Prefetch(
-        "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
-    )
+open_rotations = listing.open_rotations
 
 
 def _bar(used: object, total: object) -> dict[str, Any] | None:
@@ -52,15 +50,17 @@ def model_counts(
     """Per node: (Ready replicas, placed replicas), one query for all nodes."""
     placed: Counter[str] = Counter()
     ready: Counter[str] = Counter()
-    for placement in Placement.objects.filter(node__node_id__in=list(node_ids)).select_related(
-        "node"
-    ):
+    wanted = list(node_ids)
+    placements = Placement.objects.select_related("node").only("id", "model_id", "node__node_id")
+    if len(wanted) <= listing.IN_MAX:  # more: every placement (no IN of every id, SQLite)
+        placements = placements.filter(node__node_id__in=wanted)
+    for placement in placements:
         node_id = placement.node.node_id
         placed[node_id] += 1
         inst = ((statuses.get(node_id) or {}).get("instances") or {}).get(placement.instance_id)
         if (inst or {}).get("state") == InstanceState.READY:
             ready[node_id] += 1
-    return {node_id: (ready[node_id], placed[node_id]) for node_id in node_ids}
+    return {node_id: (ready[node_id], placed[node_id]) for node_id in wanted}
 
 
 def node_row(
@@ -180,11 +180,6 @@ def when_epoch(moment: object) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(moment))
 
 
-def needs_attention(row: dict[str, Any]) -> bool:
-    """Offline, Degraded or blocked nodes, and nodes waiting for approval."""
-    return not row["revoked"] and row["state"] not in ("Online",)
-
-
 def _first_open(node: Node) -> CertRotation | None:
     opened: list[CertRotation] = getattr(node, "open_rotations", [])
     return opened[0] if opened else None
@@ -211,29 +206,12 @@ def rows_for(
     ]
 
 
-def _matches(row: dict[str, Any], query: str, show: str) -> bool:
-    if query:
-        haystack = " ".join(
-            str(row[k]) for k in ("node_id", "display_name", "address", "os_arch", "reasons")
-        ).lower()
-        if query.lower() not in haystack:
-            return False
-    if show == "attention":
-        return needs_attention(row)
-    if show == "pending":
-        return not row["approved"] and not row["revoked"]
-    if show == "draining":
-        return bool(row["draining"])
-    if show == "maintenance":
-        return row["maintenance_until"] is not None
-    return True
-
-
 @operator_required
 def nodes_list(request: HttpRequest) -> HttpResponse:
-    """All nodes with their state, telemetry bars, models, agent and certificate; search and
-    filters are GET parameters (``q``, ``show``), so a filtered view can be bookmarked."""
-    query = request.GET.get("q", "").strip()[:MAX_QUERY]
+    """The nodes with their state, telemetry bars, models, agent and certificate, a page of
+    ``core.paging.PAGE_SIZE`` at a time; search, filters and the page are GET parameters
+    (``q``, ``show``, ``state``, ``model``, ``page``; nodes.listing), so a filtered view can
+    be bookmarked and shared."""
     show = request.GET.get("show", "all")
     notice = ""
     if show not in FILTERS:
@@ -241,20 +219,36 @@ def nodes_list(request: HttpRequest) -> HttpResponse:
             f"Unknown filter '{show[:40]}': showing all nodes (use one of {', '.join(FILTERS)})."
         )
         show = "all"
-    nodes = list(Node.objects.prefetch_related(open_rotations()).order_by("node_id"))
-    rows = [r for r in rows_for(nodes) if _matches(r, query, show)]
-    return render(
-        request,
-        "console/nodes.html",
-        {
-            "nodes": rows,
-            "q": query,
-            "show": show,
-            "filters": FILTERS,
-            "notice": notice,
-            "total": len(nodes),
-        },
+    context: dict[str, Any] = {
+        "show": show,
+        "filters": FILTERS,
+        "states": listing.STATES,
+        "q": request.GET.get("q", "").strip()[:MAX_QUERY],
+        "model": request.GET.get("model", "").strip()[:200],
+        "state": request.GET.get("state", "")[:200],
+        "notice": notice,
+        "nodes": [],
+    }
+    try:
+        # A long search is cut, as the box cuts it, rather than refused.
+        params = request.GET.copy()
+        params["q"] = context["q"]
+        wanted = replace(listing.parse_filter(params, search_name="q"), show=show)
+        number = paging.page_number(request.GET)
+        found = listing.select(wanted, paging.Page(number=number, pages=number).window)
+        page = paging.console_page(number, found.count)
+        if page.number != number:  # past the last page (a shared link, fewer nodes now)
+            found = listing.select(wanted, page.window)
+    except ServiceError as exc:
+        context["notice"] = exc.message
+        return render(request, "console/nodes.html", context, status=exc.status)
+    context.update(
+        nodes=rows_for(found.nodes, found.statuses),
+        total=found.total,
+        filtered=wanted.active or page.number > 1,
+        pager=pager.links(request.GET, page, found.count),
     )
+    return render(request, "console/nodes.html", context)
 
 
 @operator_required

@@ -23,9 +23,10 @@ from console.formats import gib
 from core import supervision
 from core.errors import ServiceError
 from models_registry import kpis, lifecycle
+from models_registry import listing as model_listing
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
-from nodes import operations, rotation, services, status_cache, telemetry
+from nodes import listing, operations, rotation, services, status_cache, telemetry
 from nodes import status as node_status
 from nodes import takeover as fencing_takeover
 from nodes.models import Node
@@ -35,14 +36,46 @@ from router.recent import recent as recent_requests
 __all__ = ["download_row", "operator_required"]
 
 
-def _fleet() -> dict[str, Any]:
-    """Everything the Overview shows, read once: registry, statuses, history, flags."""
-    nodes = list(Node.objects.prefetch_related(node_views.open_rotations()).order_by("node_id"))
-    models = list(ModelDefinition.objects.prefetch_related("placements__node"))
-    statuses = node_status.read_many(
-        [*nodes, *(p.node for m in models for p in m.placements.all())]
+# The Overview's fleet table shows the first nodes by id; the Nodes page has them all.
+OVERVIEW_ROWS = 100
+
+
+def _may_need_attention(node: Node, status: NodeStatus, stuck: set[str]) -> bool:
+    """Whether Needs attention may have a line for ``node`` (``_attention`` decides): only
+    these nodes, and the table's, get a row built (a thousand Online nodes do not)."""
+    if node.revoked:
+        return False
+    return bool(
+        node_status.state_of(status) != "Online"
+        or status.get("operations")
+        or node.node_id in stuck
+        or node.cert_renewal_error
+        or getattr(node, "open_rotations", None)
     )
-    node_rows = node_views.rows_for(nodes, statuses)
+
+
+def _fleet(*, table: bool = True) -> dict[str, Any]:
+    """Everything the Overview shows, read once: registry, statuses, history, flags.
+
+    Tiles and Needs attention count the whole fleet; rows are built only for the table's
+    first ``OVERVIEW_ROWS`` nodes and for the nodes that may need attention. Every model
+    and node is read in a fixed number of queries, none with a list of every id
+    (models_registry.listing.with_placements).
+    """
+    nodes = list(Node.objects.order_by("node_id"))
+    listing.attach_open_rotations(nodes)
+    models = model_listing.with_placements(list(ModelDefinition.objects.all()), nodes)
+    statuses = node_status.read_many(nodes)
+    stuck = _stuck_operations()
+    shown = nodes[:OVERVIEW_ROWS] if table else []
+    shown_ids = {n.node_id for n in shown}
+    stuck_ids = set(stuck)
+    row_nodes = [
+        n
+        for n in nodes
+        if n.node_id in shown_ids or _may_need_attention(n, statuses[n.node_id], stuck_ids)
+    ]
+    rows = {row["node_id"]: row for row in node_views.rows_for(row_nodes, statuses)}
     model_rows = [_model_row(model, statuses) for model in models]
     download_rows = [
         {"node_id": node_id, **download_row(d)}
@@ -51,13 +84,19 @@ def _fleet() -> dict[str, Any]:
     ]
     points = telemetry.latest_many([n.node_id for n in nodes])
     stale, as_of = status_cache.oldest_as_of(statuses)
+    states = [node_status.state_of(statuses[n.node_id]) for n in nodes]
     return {
-        "tiles": _tiles(node_rows, model_rows, points),
+        "tiles": _tiles(states, model_rows, points),
         "attention": _attention(
-            node_rows, model_rows, kpis.model_flags(models), download_rows, _stuck_operations()
+            [rows[n.node_id] for n in row_nodes],
+            model_rows,
+            kpis.model_flags(models),
+            download_rows,
+            stuck,
         ),
-        "nodes": node_rows,
-        "takeover_needed": any(row["state"] == "PendingTakeover" for row in node_rows),
+        "nodes": [rows[n.node_id] for n in shown],
+        "nodes_total": len(nodes),
+        "takeover_needed": "PendingTakeover" in states,
         "redis_unreachable": stale,
         "statuses_as_of": _utc(as_of),
     }
@@ -77,7 +116,7 @@ def overview(request: HttpRequest) -> HttpResponse:
 @operator_required
 def overview_summary(request: HttpRequest) -> HttpResponse:
     """The tiles and Needs attention alone, as live.js swaps them in after an event."""
-    return render(request, "console/overview_summary.html", _fleet())
+    return render(request, "console/overview_summary.html", _fleet(table=False))
 
 
 def _sum(values: list[float | None]) -> float | None:
@@ -87,14 +126,14 @@ def _sum(values: list[float | None]) -> float | None:
 
 
 def _tiles(
-    node_rows: list[dict[str, Any]],
+    node_states: list[str],
     model_rows: list[dict[str, Any]],
     points: dict[str, telemetry.Point | None],
 ) -> dict[str, Any]:
     engines = [e for p in points.values() if p for e in p.get("engines", {}).values()]
     return {
-        "nodes_by_state": sorted(Counter(r["state"] for r in node_rows).items()),
-        "nodes_total": len(node_rows),
+        "nodes_by_state": sorted(Counter(node_states).items()),
+        "nodes_total": len(node_states),
         "models_ready": sum(1 for m in model_rows if m["state"] == "Ready"),
         "models_placed": sum(1 for m in model_rows if m["node_id"] != "-"),
         "models_total": len(model_rows),
@@ -128,9 +167,9 @@ def _attention(
         lines.append({"kind": kind, "subject": subject, "text": text, "url": url})
 
     for n in node_rows:
-        url = reverse("node", args=[n["node_id"]])
         if n["revoked"]:
             continue
+        url = reverse("node", args=[n["node_id"]])
         if n["state"] in ("Offline", "Degraded", "Incompatible", "PendingTakeover"):
             detail = "; ".join(
                 f"{r.get('code')}: {r.get('message', '')}".rstrip(": ") for r in n["reason_details"]
@@ -157,8 +196,11 @@ def _attention(
                 f"Certificate rotation at {cert['rotation']['stage']}.",
                 url,
             )
+    # The model's URL is its page's path (console/urls.py), built without reverse(): the
+    # Overview walks every model of the fleet, and only a few of them have a line.
+    model_page = reverse("model", args=[0]).removesuffix("0/")
     for m in model_rows:
-        url = reverse("model", args=[m["id"]])
+        url = f"{model_page}{m['id']}/"
         if m["state"] == "Failed":
             add("model", m["served_name"], f"Failed: {m['error'] or 'no cause reported'}", url)
         flag = flags.get(m["id"])

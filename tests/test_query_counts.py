@@ -48,6 +48,11 @@ API = [
     "/api/models/first/placement-suggestions",
     "/api/nodes/n0",
     "/api/routes/r0",
+    # Filtered and paged (nodes.listing, models_registry.listing).
+    "/api/nodes?state=Online,Degraded&limit=50",
+    "/api/nodes?model=m0&search=n&offset=0",
+    "/api/models?state=Ready&limit=50",
+    "/api/models?node=n0&search=m",
 ]
 
 PAGES = [
@@ -67,6 +72,10 @@ PAGES = [
     "/routes/",
     "/backups/",
     "/backups/restore/",
+    "/nodes/?state=Online&q=n&show=all",
+    "/nodes/?model=m0&page=1",
+    "/models/?state=Ready&q=m",
+    "/models/?node=n0&page=1",
 ]
 
 # What each list shows of the last row added (row MANY-1), where it names the row.
@@ -95,6 +104,14 @@ SHOWS_LAST = {
     "/usage/": "m29",
     "/audit/": "n29",
     "/routes/": "r29",
+    "/api/nodes?state=Online,Degraded&limit=50": "n29",
+    "/api/nodes?model=m0&search=n&offset=0": "n29",
+    "/api/models?state=Ready&limit=50": "m29",
+    "/api/models?node=n0&search=m": "m29",
+    "/nodes/?state=Online&q=n&show=all": "n29",
+    "/nodes/?model=m0&page=1": "n29",
+    "/models/?state=Ready&q=m": "m29",
+    "/models/?node=n0&page=1": "m29",
 }
 
 

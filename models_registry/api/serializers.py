@@ -20,6 +20,7 @@ from core.api_serializers import (
 )
 from models_registry import lifecycle, services
 from models_registry.models import ModelDefinition, Placement
+from nodes.api.serializers import PageFieldsSerializer
 
 
 class ModelWriteSerializer(ApiSerializer):
@@ -211,7 +212,7 @@ class ModelSerializer(serializers.Serializer):
 
 # many=False: the list action answers one object that holds the list, not a bare array.
 @extend_schema_serializer(many=False)
-class ModelListSerializer(serializers.Serializer):
+class ModelListSerializer(PageFieldsSerializer):
     models = ModelSerializer(many=True)
 
 

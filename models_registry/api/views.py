@@ -12,9 +12,10 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from core import paging
 from core.api_serializers import errors, parse
 from core.errors import ServiceError
-from models_registry import lifecycle, services, suggest
+from models_registry import lifecycle, listing, services, suggest
 from models_registry.api.serializers import (
     CommandResultSerializer,
     CommandSerializer,
@@ -25,6 +26,7 @@ from models_registry.api.serializers import (
 )
 from models_registry.models import ModelDefinition
 from nodes import status as node_status
+from nodes.api.serializers import PAGE_PARAMETERS
 
 _NODE_QUERY = OpenApiParameter(
     "node", OpenApiTypes.STR, description="Only this node's replica (also a body field)."
@@ -66,11 +68,46 @@ class ModelViewSet(viewsets.GenericViewSet):
     serializer_class = ModelSerializer
     lookup_url_kwarg = "model_id"
 
-    @extend_schema(responses={200: ModelListSerializer})
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "state",
+                OpenApiTypes.STR,
+                many=True,
+                description="Only models in these states over their replicas (repeat it, or "
+                f"a comma list): {', '.join(listing.STATES)}.",
+            ),
+            OpenApiParameter(
+                "node", OpenApiTypes.STR, description="Only models with a replica on this node."
+            ),
+            OpenApiParameter(
+                "search",
+                OpenApiTypes.STR,
+                description="A substring (any case) of the served name; at most 100 characters.",
+            ),
+            *PAGE_PARAMETERS,
+        ],
+        responses={200: ModelListSerializer, **errors(400)},
+        description="Every model matching the filters, by served name (all of them up to "
+        f"{paging.UNPAGED_MAX} without `limit`); `count` is how many match "
+        '(docs/operator-guide.md, "Node and model lists").',
+    )
     def list(self, request: Request) -> Response:
-        models = list(ModelDefinition.objects.prefetch_related("placements__node"))
-        listed = ModelSerializer(models, many=True, context={"statuses": _statuses(models)})
-        return Response({"models": listed.data})
+        wanted = listing.parse_filter(request.query_params)
+        window = paging.window(request.query_params)
+        found = listing.select(wanted, window)
+        listed = ModelSerializer(
+            found.models, many=True, context={"statuses": _statuses(found.models)}
+        )
+        return Response(
+            {
+                "models": listed.data,
+                "count": found.count,
+                "offset": window.offset,
+                "limit": window.limit,
+                "next": window.next_offset(found.count),
+            }
+        )
 
     @extend_schema(
         request=ModelWriteSerializer, responses={201: ModelSerializer, **errors(400, 404, 409)}

@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
+from drf_spectacular.utils import OpenApiParameter, extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 from rest_framework.exceptions import ValidationError
 
+from core import paging
 from core.api_serializers import (
+    INT_OR_EMPTY,
     ApiSerializer,
     IsoDateTime,
     JsonInt,
@@ -218,9 +220,34 @@ class NodeSerializer(serializers.Serializer):
         return _status(self, node).get("statusAsOf")
 
 
+# The page of a fleet list (GET /api/nodes, GET /api/models; core.paging).
+PAGE_PARAMETERS = [
+    OpenApiParameter(
+        "limit",
+        INT_OR_EMPTY,
+        description=f"At most this many, 1 to {paging.LIMIT_MAX}; left out: every matching "
+        f"row up to {paging.UNPAGED_MAX}.",
+    ),
+    OpenApiParameter(
+        "offset", INT_OR_EMPTY, description="Skip this many matching rows first (0 by default)."
+    ),
+]
+
+
+class PageFieldsSerializer(serializers.Serializer):
+    """What a fleet list says of its page: how many match, where it starts, the next."""
+
+    count = serializers.IntegerField(help_text="How many rows match the filters.")
+    offset = serializers.IntegerField()
+    limit = serializers.IntegerField(help_text=f"The page's size ({paging.UNPAGED_MAX} unasked).")
+    next = serializers.IntegerField(
+        allow_null=True, help_text="The offset of the next page; null on the last."
+    )
+
+
 # many=False: the list actions answer one object that holds the list, not a bare array.
 @extend_schema_serializer(many=False)
-class NodeListSerializer(serializers.Serializer):
+class NodeListSerializer(PageFieldsSerializer):
     nodes = NodeSerializer(many=True)
     stale = serializers.BooleanField()
     statusAsOf = serializers.FloatField(allow_null=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db.models import Prefetch
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import viewsets
@@ -16,13 +15,15 @@ from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
 
+from core import paging
 from core.api_serializers import INT_OR_EMPTY, errors, parse
 from core.errors import ServiceError
-from nodes import audit, rotation, services, status_cache, takeover
+from nodes import audit, listing, rotation, services, status_cache, takeover
 from nodes import operations as master_operations
 from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
 from nodes.api.serializers import (
+    PAGE_PARAMETERS,
     JoinTokenRequestSerializer,
     MaintenanceSerializer,
     MasterOperationListSerializer,
@@ -36,7 +37,7 @@ from nodes.api.serializers import (
     TakeoverSerializer,
     TokenSerializer,
 )
-from nodes.models import CertRotation, Node
+from nodes.models import Node
 
 
 def _node_answer(node: Node) -> Response:
@@ -88,16 +89,50 @@ class NodeViewSet(viewsets.GenericViewSet):
     serializer_class = NodeSerializer
     lookup_field = "node_id"
 
-    @extend_schema(responses={200: NodeListSerializer})
+    @extend_schema(
+        parameters=[
+            OpenApiParameter(
+                "state",
+                OpenApiTypes.STR,
+                many=True,
+                description="Only nodes in these effective states (repeat it, or a comma "
+                f"list): {', '.join(listing.STATES)}.",
+            ),
+            OpenApiParameter(
+                "model",
+                OpenApiTypes.STR,
+                description="Only nodes holding a replica of this model (served name or id).",
+            ),
+            OpenApiParameter(
+                "search",
+                OpenApiTypes.STR,
+                description="A substring (any case) of the id, name, address, OS, "
+                "architecture or a reason code; at most 100 characters.",
+            ),
+            *PAGE_PARAMETERS,
+        ],
+        responses={200: NodeListSerializer, **errors(400)},
+        description="Every node matching the filters, by id (all of them up to "
+        f"{paging.UNPAGED_MAX} without `limit`); `count` is how many match "
+        '(docs/operator-guide.md, "Node and model lists").',
+    )
     def list(self, request: Request) -> Response:
-        open_rotations = Prefetch(
-            "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
+        wanted = listing.parse_filter(request.query_params)
+        window = paging.window(request.query_params)
+        found = listing.select(wanted, window)
+        stale, as_of = status_cache.oldest_as_of(found.statuses)
+        listed = NodeSerializer(found.nodes, many=True, context={"statuses": found.statuses})
+        return Response(
+            {
+                "nodes": listed.data,
+                "stale": stale,
+                "statusAsOf": as_of,
+                "count": found.count,
+                "offset": window.offset,
+                "limit": window.limit,
+                "next": window.next_offset(found.count),
+            }
         )
-        nodes = list(Node.objects.prefetch_related(open_rotations))
-        statuses = node_status.read_many(nodes)
-        stale, as_of = status_cache.oldest_as_of(statuses)
-        listed = NodeSerializer(nodes, many=True, context={"statuses": statuses})
-        return Response({"nodes": listed.data, "stale": stale, "statusAsOf": as_of})
 
     @extend_schema(responses={200: NodeSerializer, **errors(404)})
     def retrieve(self, request: Request, node_id: str) -> Response:

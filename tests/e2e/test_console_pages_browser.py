@@ -110,6 +110,16 @@ def test_the_console_pages_in_chromium(
         # The Nodes list and the node page with its charts.
         page.goto(f"{stack.url}/nodes/")
         expect(page.locator('tr[data-node="edge-1"]')).to_have_class(re.compile("stale"))
+        # Its filters are GET parameters: the form makes a URL that can be shared, and
+        # the live socket then follows only the rows shown.
+        page.select_option("#node-state", "Offline")
+        page.click("#node-search button[type=submit]")
+        page.wait_for_url(re.compile(r"/nodes/\?.*state=Offline"))
+        expect(page.locator('tr[data-node="edge-1"]')).to_have_count(1)
+        expect(page.locator('tr[data-node="local"]')).to_have_count(0)
+        expect(page.locator("#node-count")).to_contain_text("1 matching · 2 nodes")
+        expect(page.locator("#live")).to_have_text("live", timeout=10_000)
+        shot("04b-nodes-filtered")
         page.goto(f"{stack.url}/nodes/local/")
         expect(page.locator("#live")).to_have_text("live", timeout=10_000)
         expect(page.locator("#charts figure.chart").first).to_be_visible(timeout=15_000)

@@ -71,6 +71,7 @@
           const empty = body.querySelector("tr.empty");
           if (empty) empty.remove();
           body.appendChild(fresh);
+          subscribe();  // its next events too
         }
       }
       if (again) swapRow(nodeId);
@@ -187,19 +188,36 @@
       (r.attempts ? ", " + r.attempts + " failed attempts: " + r.lastError : "") + ")" : "none");
   }
 
-  window.MirbadSocket.connect(live.getAttribute("data-ws") || "/ws/fleet/", function (event) {
+  // The Overview and the Nodes list show some nodes: they subscribe to those (their rows'
+  // ids), to nodes that enroll (pending) and, on the Overview, to a summary of the rest for
+  // the tiles (console/consumers.py). A node page's socket carries its node only.
+  let socket = null;
+  function subscribe() {
+    if (pageNode !== null || !socket || !table) return;
+    const nodes = [];
+    table.querySelectorAll("tbody tr[data-node]").forEach(function (tr) {
+      nodes.push(tr.getAttribute("data-node"));
+    });
+    socket.send({ type: "subscribe", nodes: nodes, pending: !filtered,
+      summary: !!document.getElementById("tiles") });
+  }
+
+  socket = window.MirbadSocket.connect(live.getAttribute("data-ws") || "/ws/fleet/", function (event) {
     if (event.type === "node.updated") onNode(event.node);
     else if (event.type === "node.certificate") onCertificate(event.certificate);
     // Models and downloads have their own pages; here they only change the tiles and
-    // Needs attention.
-    else if (event.type === "model.updated" || event.type === "download.updated") refreshSummary();
+    // Needs attention, as does anything of the nodes this page does not show.
+    else if (event.type === "model.updated" || event.type === "download.updated" ||
+             event.type === "fleet.changed") refreshSummary();
     else if (event.type === "node.telemetry" && window.MirbadCharts) {
       window.MirbadCharts.push(event.nodeId, event.point);
     }
   }, function () {
-    // After every (re)connect: what changed while the socket was away is rendered again.
+    subscribe();
+    // After every (re)connect: what changed while the socket was away is rendered again,
+    // and the page subscribes again to the rows it now shows.
     window.MirbadSocket.resync(pageNode !== null
       ? ["#node-current", "#certificate", "#actions"]
-      : ["#nodes tbody", "#tiles", "#attention"]);
+      : ["#nodes tbody", "#tiles", "#attention"]).then(subscribe);
   });
 })();

@@ -90,9 +90,26 @@
   }
 
   if (!table && !page) return;
-  MirbadSocket.connect("/ws/fleet/", function (event) {
+  // Only the models the page shows (console/consumers.py): the list's rows, or the one.
+  let socket = null;
+  function subscribe() {
+    if (!socket) return;
+    const models = [];
+    if (table) {
+      table.querySelectorAll("tbody tr[data-model]").forEach(function (tr) {
+        models.push(Number(tr.getAttribute("data-model")));
+      });
+    } else {
+      models.push(Number(pageModel));
+    }
+    socket.send({ type: "subscribe", models: models });
+  }
+  socket = MirbadSocket.connect("/ws/fleet/", function (event) {
     if (event.type !== "model.updated") return;
     if (table) onListModel(event.model);
     else onPageModel(event.model);
-  }, function () { MirbadSocket.resync(table ? ["#models tbody"] : ["#model-live"]); });
+  }, function () {
+    subscribe();
+    MirbadSocket.resync(table ? ["#models tbody"] : ["#model-live"]).then(subscribe);
+  });
 })();

@@ -4,13 +4,16 @@
 //   MirbadSocket.connect(path, function (event) { ... })
 // where path is a /ws/... URL (nodes/events.py names the typed events it carries), and
 // optionally pass onOpen, called after every (re)connect so a page can refetch what it
-// may have missed while it was away.
+// may have missed while it was away. connect returns {send(object)}: a page that shows only
+// some nodes or models sends {"type": "subscribe", ...} from onOpen (console/consumers.py),
+// and again whenever its rows change; nothing is sent while the socket is closed.
 (function () {
   "use strict";
   function connect(path, onEvent, onOpen) {
     const live = document.getElementById("live");
     let delay = 1000;
     let opened = false;
+    let current = null;
     function say(text, cls) {
       if (!live) return;
       live.textContent = text;
@@ -19,6 +22,7 @@
     function open() {
       const scheme = location.protocol === "https:" ? "wss://" : "ws://";
       const ws = new WebSocket(scheme + location.host + path);
+      current = ws;
       ws.onopen = function () {
         say(opened ? "live (reconnected)" : "live", "s-live");
         opened = true;
@@ -30,13 +34,23 @@
         try { event = JSON.parse(msg.data); } catch (e) { return; }
         onEvent(event);
       };
-      ws.onclose = function () {
+      ws.onclose = function (closed) {
+        if (closed.code === 4400) {
+          // The consumer refused what this page sent: reconnecting would repeat it.
+          say("live updates refused (reload the page)", "s-lost");
+          return;
+        }
         say("connection lost, reconnecting…", "s-lost");
         setTimeout(open, delay);
         delay = Math.min(delay * 2, 30000);
       };
     }
     open();
+    return {
+      send: function (message) {
+        if (current && current.readyState === WebSocket.OPEN) current.send(JSON.stringify(message));
+      },
+    };
   }
   // Render the page again on the server and swap in the elements ``selectors`` name: what
   // changed while the socket was not yet (or no longer) connected is not lost. Pages call

@@ -1,0 +1,165 @@
+"""Which nodes a list shows: the filters and the page of ``GET /api/nodes``, the console's
+Nodes page and the Overview's fleet table, one rule for all three.
+
+Filters (every one optional, all of them must match):
+
+- ``state``: effective states (``nodes.status.effective``), repeatable or a comma list;
+- ``model``: nodes holding a replica of this model (its served name, or its id);
+- ``search``: a case-insensitive substring of the id, name, address, OS, architecture
+  or a reason code;
+- ``show`` (the console's chips): ``attention``, ``pending``, ``draining``, ``maintenance``.
+
+The registry is read once for the candidates (a few columns), the status cache once for
+them only when a filter needs a node's state (one ``read_many`` round trip, never one per
+node), and the page's nodes are then loaded whole with their open rotation: the cost of a
+page does not grow with the fleet past those two reads (docs/decisions.md (Lists of a
+thousand nodes: all rows up to a cap)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import Prefetch, Q
+
+from core import paging
+from nodes import status as node_status
+from nodes.models import CertRotation, Node
+from nodes.states import NodeState
+from nodes.status_cache import NodeStatus
+
+STATES = tuple(s.value for s in NodeState)
+# A page of more nodes than this is loaded without an IN list of their ids.
+IN_MAX = 500
+SHOW = ("all", "attention", "pending", "draining", "maintenance")
+# What the filters read of every candidate; the page's rows are loaded whole afterwards.
+_FILTER_FIELDS = (
+    "node_id",
+    "display_name",
+    "address",
+    "os",
+    "arch",
+    "approved",
+    "revoked",
+    "draining",
+    "maintenance_until",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFilter:
+    """What a reader asked for; the defaults match every node."""
+
+    states: frozenset[str] = frozenset()
+    model: str = ""
+    search: str = ""
+    show: str = "all"
+
+    @property
+    def active(self) -> bool:
+        return bool(self.states or self.model or self.search or self.show != "all")
+
+    @property
+    def needs_status(self) -> bool:
+        return bool(self.states or self.search or self.show == "attention")
+
+
+@dataclass(slots=True)
+class NodePage:
+    """The page's nodes (with ``open_rotations``), statuses of at least those, and counts."""
+
+    nodes: list[Node]
+    statuses: dict[str, NodeStatus]
+    count: int  # nodes matching the filter
+    total: int  # nodes in the registry
+
+
+def parse_filter(params: Any, *, search_name: str = "search") -> NodeFilter:
+    """``state``, ``model`` and ``search`` (the console calls it ``q``, with ``show``) from
+    query parameters; a bad value is a 400 naming the parameter (core.paging)."""
+    return NodeFilter(
+        states=paging.choices(params, "state", STATES),
+        model=paging.text(params, "model"),
+        search=paging.text(params, search_name, most=100),
+    )
+
+
+def open_rotations() -> Prefetch:
+    return Prefetch(
+        "rotations", queryset=CertRotation.objects.filter(open=True), to_attr="open_rotations"
+    )
+
+
+def attach_open_rotations(nodes: list[Node]) -> None:
+    """Each node's ``open_rotations`` as :func:`open_rotations` leaves it, from one query
+    over the open rotations (a handful at any time), whatever the count of nodes."""
+    opened: dict[int, list[CertRotation]] = {}
+    for found in CertRotation.objects.filter(open=True):
+        opened.setdefault(found.node_id, []).append(found)
+    for node in nodes:
+        # The attribute Prefetch(to_attr="open_rotations") sets; not a field of Node.
+        node.open_rotations = opened.get(node.pk, [])  # type: ignore[attr-defined]
+
+
+def _model_q(model: str) -> Q:
+    wanted = Q(placements__model__served_name=model)
+    if model.isdigit() and len(model) < 19:
+        wanted |= Q(placements__model_id=int(model))
+    return wanted
+
+
+def _searched(node: Node, status: NodeStatus | None, needle: str) -> bool:
+    fields = [node.node_id, node.display_name, node.address, node.os, node.arch]
+    fields += [str(r.get("code", "")) for r in (status or {}).get("reasons") or []]
+    return any(needle in value.lower() for value in fields if value)
+
+
+def matches(node: Node, status: NodeStatus | None, wanted: NodeFilter) -> bool:
+    """Whether ``node`` (with its effective ``status`` when the filter needs it) is listed."""
+    state = node_status.state_of(status)
+    if wanted.states and state not in wanted.states:
+        return False
+    if wanted.search and not _searched(node, status, wanted.search.lower()):
+        return False
+    if wanted.show == "attention":
+        # Offline, Degraded, blocked, waiting for approval: anything but Online.
+        return not node.revoked and state != NodeState.ONLINE.value
+    if wanted.show == "pending":
+        return not node.approved and not node.revoked
+    if wanted.show == "draining":
+        return node.draining
+    if wanted.show == "maintenance":
+        return node.maintenance_left() > 0
+    return True
+
+
+def select(wanted: NodeFilter, window: paging.Window) -> NodePage:
+    """The nodes matching ``wanted``, ordered by id, cut to ``window``.
+
+    Queries: the candidates (a few columns), the total when a filter narrowed them in the
+    database, the page's rows and the open rotations; one Redis round trip: every
+    candidate's status when the filter needs it, else the page's.
+    """
+    candidates = Node.objects.only(*_FILTER_FIELDS).order_by("node_id")
+    if wanted.model:
+        candidates = candidates.filter(_model_q(wanted.model)).distinct()
+    found = list(candidates)
+    total = Node.objects.count() if wanted.model else len(found)
+    statuses: dict[str, NodeStatus] = {}
+    read_all = wanted.needs_status
+    if read_all:
+        statuses = node_status.read_many(found)
+    if wanted.active:
+        found = [n for n in found if matches(n, statuses.get(n.node_id), wanted)]
+    shown = window.cut(found)
+    if len(shown) <= IN_MAX:
+        nodes = list(Node.objects.filter(node_id__in=[n.node_id for n in shown]))
+    else:  # every node: no IN of thousands of ids (SQLite refuses one)
+        wanted_ids = {n.node_id for n in shown}
+        nodes = [n for n in Node.objects.all() if n.node_id in wanted_ids]
+    nodes.sort(key=lambda n: n.node_id)
+    attach_open_rotations(nodes)
+    if not read_all:
+        statuses = node_status.read_many(nodes) if nodes else {}
+    return NodePage(nodes=nodes, statuses=statuses, count=len(found), total=total)
