@@ -38,6 +38,7 @@ asserted.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import datetime as dt
 import json
@@ -115,6 +116,9 @@ class Fleet:
         self.workers: list[Worker] = []
         self.nodes: list[str] = ["local"]
         self.models: list[int] = []
+        self.made = 0  # hollow nodes made so far (a killed one is not replaced by its name)
+        self.placed: dict[int, str] = {}  # model id -> its node
+        self.defined = 0  # models defined so far (their names count on)
         self.port = _procs.free_port()
         self.http: httpx.Client | None = None
         self.console: httpx.Client | None = None
@@ -181,8 +185,9 @@ class Fleet:
 
     def grow(self, size: int) -> dict[str, Any]:
         """Enroll, approve and start models until the fleet has ``size`` nodes."""
-        first = len(self.nodes) - 1
-        new = [f"hollow-{i:04d}" for i in range(first, size - 1)]
+        first = self.made
+        self.made += size - len(self.nodes)
+        new = [f"hollow-{i:04d}" for i in range(first, self.made)]
         began = time.monotonic()
         specs = []
         for i, node_id in enumerate(new, start=first):
@@ -211,10 +216,11 @@ class Fleet:
         self.nodes += new
         online = _wait(self.all_online, 300, f"{size} nodes Online", interval=1.0)
         began = time.monotonic()
-        created = []
         hollow = self.nodes[1:]
-        want = MODELS_PER_NODE * len(hollow)
-        for j in range(len(self.models), want):
+        first_model = self.defined
+        self.defined += MODELS_PER_NODE * len(hollow) - len(self.models)
+
+        def define(j: int) -> int:
             model = self.api(
                 "POST",
                 "/api/models",
@@ -226,11 +232,16 @@ class Fleet:
                     "node": hollow[j % len(hollow)],
                 },
             )
-            created.append(model["id"])
-        defined = time.monotonic() - began
-        began = time.monotonic()
-        for model_id in created:
-            self.api("POST", f"/api/models/{model_id}/start")
+            self.placed[int(model["id"])] = hollow[j % len(hollow)]
+            return int(model["id"])
+
+        # A few at once, as an operator's script would: the web process serves requests
+        # on several threads.
+        with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+            created = list(pool.map(define, range(first_model, self.defined)))
+            defined = time.monotonic() - began
+            began = time.monotonic()
+            list(pool.map(lambda m: self.api("POST", f"/api/models/{m}/start"), created))
         self.models += created
         ready = _wait(self.all_ready, 900, f"{len(self.models)} models Ready", interval=1.0)
         return {
@@ -378,6 +389,7 @@ class Fleet:
         shown = time.time()
         last = self.api("GET", f"/api/nodes/{node_id}")["lastSeen"]
         self.nodes.remove(node_id)
+        self.models = [m for m in self.models if self.placed[m] != node_id]
         self.api("POST", f"/api/nodes/{node_id}/revoke")  # out of the fleet's checks
         return {
             "node": node_id,

@@ -27,6 +27,10 @@ from nodes.models import Node
 from nodes.services import master_pki, node_ssl_context
 from protocol.names import NameRefused, check_file_name, check_folder_name
 
+# How long the monitor keeps an idle connection to an agent: longer than the telemetry
+# interval (5 s), shorter than the agent's own idle limit (75 s).
+KEEPALIVE_SECONDS = 30.0
+
 
 class AgentError(Exception):
     """Base of the agent client's errors."""
@@ -294,8 +298,15 @@ class AsyncAgentClient:
         self._retired: list[httpx.AsyncClient] = []
 
     def _new_client(self) -> httpx.AsyncClient:
+        # httpx drops a connection idle for 5 s by default, and the telemetry is pulled
+        # every 5 s: each pull paid a new TLS handshake (a quarter of the monitor's CPU
+        # at 100 nodes, docs/performance.md "A fleet of a thousand machines"). The
+        # agent keeps an idle connection 75 s (protocol/http_limits.py).
         return httpx.AsyncClient(
-            base_url=agent_url(self.node), verify=node_ssl_context(self.node), timeout=self._timeout
+            base_url=agent_url(self.node),
+            verify=node_ssl_context(self.node),
+            timeout=self._timeout,
+            limits=httpx.Limits(keepalive_expiry=KEEPALIVE_SECONDS),
         )
 
     def _current(self) -> httpx.AsyncClient:

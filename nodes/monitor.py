@@ -26,6 +26,7 @@ from django.conf import settings
 from nodes import events, fencing, hooks, operations, stalls, status_cache, telemetry
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
+from nodes.monitor_rows import RowPublisher, publish_model_rows
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state, registry_state
 from protocol.versions import PROTOCOL_VERSIONS
 
@@ -85,17 +86,6 @@ def _operations(data: dict[str, Any]) -> list[dict[str, str]]:
     ]
 
 
-async def publish_model_rows(node_id: str, model_ids: list[int] | None = None) -> None:
-    """``model.updated`` for the models placed on the node, each over all its replicas."""
-    try:
-        rows = await sync_to_async(hooks.model_rows)(node_id, model_ids)
-    except Exception:  # a console row must not drop the node's connection
-        log.exception("Node %s: reading its models' rows failed", node_id)
-        return
-    for row in rows:
-        await events.publish(events.ModelUpdated(type="model.updated", model=row))
-
-
 class NodeWorker:
     """Follows one node. ``state`` is recomputed by :meth:`recompute` after every change."""
 
@@ -103,6 +93,7 @@ class NodeWorker:
         self.node = node
         self.stop = stop
         self.client = AsyncAgentClient(node=node)
+        self.rows = RowPublisher(node.node_id)
         self.connected = False
         self.incompatible = False
         self.agent_fencing: dict[str, Any] | None = None
@@ -207,23 +198,11 @@ class NodeWorker:
         """The Overview rows of this node's models (``model_ids`` only, if given)."""
         await publish_model_rows(self.node.node_id, model_ids)
 
-    async def publish_instance(self, instance: dict[str, Any]) -> None:
-        model_id = instance.get("modelId")
-        if isinstance(model_id, int):
-            await self.publish_models([model_id])
-
     async def publish_download(self, download: dict[str, Any]) -> None:
         event = events.DownloadUpdated(
             type="download.updated", nodeId=self.node.node_id, download=download
         )
         await events.publish(event)
-
-    async def record_measurement(self, instance: dict[str, Any]) -> None:
-        """Keep the instance's measured memory beside its budget (one row per start)."""
-        try:
-            await sync_to_async(hooks.record_measurement)(self.node.node_id, instance)
-        except Exception:  # a bookkeeping failure must not drop the node's connection
-            log.exception("Node %s: recording a memory measurement failed", self.node.node_id)
 
     async def autostart(self) -> None:
         """Start the auto-start models this agent lost; one at a time on this node.
@@ -352,9 +331,7 @@ class NodeWorker:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
             await status_cache.awrite(self.status)
             await events.invalidate_status(self.node.node_id)
-            await self.publish_instance(data)
-            if data.get("measured"):
-                await self.record_measurement(data)
+            self.rows.instance_changed(data)  # off this path: the next event is not held
         elif name == "heartbeat":
             # Memory and disk are refreshed with every heartbeat, not only at connect.
             telemetry = self.status.setdefault("telemetry", {})
@@ -461,6 +438,7 @@ class NodeWorker:
                 self.autostart_task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await self.autostart_task
+            await self.rows.close()
             await self.client.aclose()
 
     async def _lost(self, error: str) -> None:
