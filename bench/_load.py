@@ -304,12 +304,17 @@ def run_stream_load(
     on_begin: Callable[[], None],
     on_end: Callable[[], None],
     python: str,
+    script: Path = _STREAMLOAD,
+    extra: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Run bench/streamload.py; ``on_begin``/``on_end`` are called as its measured
-    window begins and ends (to read CPU counters then). Returns its JSON result."""
+    window begins and ends (to read CPU counters then). Returns its JSON result.
+
+    ``script``: another load generator with the same arguments and output lines
+    (bench/tokenload.py); ``extra``: more arguments for it."""
     argv = [
         python,
-        str(_STREAMLOAD),
+        str(script),
         "--url",
         url,
         "--body",
@@ -323,6 +328,7 @@ def run_stream_load(
     ]
     for name, value in headers.items():
         argv += ["--header", f"{name}: {value}"]
+    argv += extra
     proc = subprocess.Popen(
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -34,7 +35,10 @@ class MirbadStack:
 
     ``env``: MIRBAD_* settings for the stack (the others are not passed on);
     ``stub_slots``: the stub honours the model's ``parallel`` as an engine does
-    (bench/stub_engine.py, ``--stub-slots``) instead of answering everything at once."""
+    (bench/stub_engine.py, ``--stub-slots``) instead of answering everything at once;
+    ``engine``: a real llama-server, laid out as ``python -m agent install-llama-server``
+    does (its folder holds manifest.json), installed instead of the stub: it then
+    serves the tiny GGUF (protocol/tinygguf.py) on the CPU."""
 
     def __init__(
         self,
@@ -44,12 +48,14 @@ class MirbadStack:
         external: bool,
         env: dict[str, str] | None = None,
         stub_slots: bool = False,
+        engine: Path | None = None,
     ) -> None:
         self.procs = procs
         self.data = data
         self.external = external
         self.env = dict(env or {})
         self.stub_slots = stub_slots
+        self.engine = engine
         self.port = _procs.free_port()
         self.lines: list[str] = []
         self.child: _procs.Child | None = None
@@ -62,10 +68,39 @@ class MirbadStack:
         return f"http://127.0.0.1:{self.port}"
 
     def prepare(self) -> None:
-        from agent.engines._executables import write_manifest
         from protocol.tinygguf import write_tiny_gguf
 
         self.data.mkdir(mode=0o700)
+        if self.engine is not None:
+            self._copy_engine(self.engine)
+        else:
+            self._write_stub()
+        models = self.data / "models" / MODEL
+        models.mkdir(parents=True)
+        # The master reads the GGUF header for admission; the stub never opens it, a
+        # real llama-server (``engine``) serves it.
+        write_tiny_gguf(models / f"{MODEL}.gguf")
+
+    def _copy_engine(self, binary: Path) -> None:
+        """The laid-out folder of ``binary`` under the agent's runtimes, as it is: the
+        manifest names the version and the agent verifies every file against it."""
+        source = binary.resolve().parent
+        if binary.name != "llama-server" or not (source / "manifest.json").is_file():
+            raise RuntimeError(
+                f"{binary} is not a laid-out llama-server (no manifest.json beside it); "
+                "lay one out with `python -m agent install-llama-server --runtimes-dir DIR`"
+            )
+        folder = self.data / "agent" / "runtimes" / "llama.cpp" / source.name
+        folder.mkdir(parents=True)
+        for path in sorted(source.iterdir()):
+            if path.is_symlink():
+                os.symlink(os.readlink(path), folder / path.name)
+            elif path.is_file():
+                shutil.copy2(path, folder / path.name)
+
+    def _write_stub(self) -> None:
+        from agent.engines._executables import write_manifest
+
         folder = self.data / "agent" / "runtimes" / "llama.cpp" / STUB_VERSION
         folder.mkdir(parents=True)
         script = folder / "llama-server"
@@ -80,10 +115,6 @@ class MirbadStack:
             script.write_text(f"#!{sys.executable}\n" + source)
         script.chmod(0o755)
         write_manifest(folder, name="llama.cpp", version=STUB_VERSION)
-        models = self.data / "models" / MODEL
-        models.mkdir(parents=True)
-        # The master reads the GGUF header for admission; the stub never opens it.
-        write_tiny_gguf(models / f"{MODEL}.gguf")
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
@@ -173,7 +204,11 @@ class MirbadStack:
             except ValueError:
                 return exc.code, raw.decode(errors="replace")
 
-    def start_model(self, parallel: int = 256) -> dict[str, Any]:
+    def start_model(
+        self, parallel: int = 256, settings: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Create the model on the local node, start it and wait until it is Ready;
+        ``settings``: llama.cpp settings over the ones below. Returns its instance."""
         status, model = self.api(
             "POST",
             "/api/models",
@@ -185,7 +220,12 @@ class MirbadStack:
                 # idle pool per engine (D39), so give it as many as the bench's
                 # highest concurrency (bench/router.py). With ``stub_slots`` they are
                 # the engine's slots.
-                "settings": {"context_size": 512, "parallel": parallel, "gpu_layers": 0},
+                "settings": {
+                    "context_size": 512,
+                    "parallel": parallel,
+                    "gpu_layers": 0,
+                    **(settings or {}),
+                },
                 "node": "local",
             },
         )
@@ -203,10 +243,10 @@ class MirbadStack:
             if state == "Ready":
                 break
             if state == "Failed":
-                raise RuntimeError(f"the stub engine failed to start: {last}")
+                raise RuntimeError(f"the engine failed to start: {last}")
             time.sleep(0.5)
         else:
-            raise RuntimeError(f"the stub engine was not Ready within 60 s: {last}")
+            raise RuntimeError(f"the engine was not Ready within 60 s: {last}")
         _, node = self.api("GET", "/api/nodes/local")
         for inst in node.get("instances", []):
             if inst.get("servedName") == MODEL and inst.get("state") == "Ready":
@@ -214,6 +254,17 @@ class MirbadStack:
                     self.known_pids[inst["pid"]] = psutil.Process(inst["pid"]).create_time()
                 return inst
         raise RuntimeError(f"GET /api/nodes/local lists no Ready instance of {MODEL}: {node}")
+
+    def engine_key(self, instance_id: str) -> str:
+        """The API key the agent gave the engine of ``instance_id`` (its LLAMA_API_KEY),
+        from the agent's processes.json: what a client going to the engine directly,
+        beside the agent's proxy, must send."""
+        for path in (self.data / "agent" / "state").rglob("processes.json"):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                for record in json.loads(path.read_text())["instances"]:
+                    if record.get("instanceId") == instance_id and record.get("apiKey"):
+                        return str(record["apiKey"])
+        raise RuntimeError(f"no apiKey for instance {instance_id} in the agent's processes.json")
 
     def create_key(self) -> tuple[str, str, dict[str, Any] | None]:
         """A /v1 key for the model, with limits when the API takes them."""
