@@ -45,6 +45,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -316,8 +317,10 @@ class Fleet:
             120,
             "the sampled models Stopped",
         )
-        for model_id in chosen:
-            self.api("POST", f"/api/models/{model_id}/start")
+        # The starts go out from a thread while this one polls: a model that is Ready
+        # while later starts are still being sent is seen at once, not after them.
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        sending = pool.submit(lambda: [self.api("POST", f"/api/models/{m}/start") for m in chosen])
         seen: dict[int, float] = {}
         deadline = time.monotonic() + 120
         while len(seen) < len(chosen) and time.monotonic() < deadline:
@@ -331,6 +334,8 @@ class Fleet:
                 if record.get("state") == "Ready" and record.get("readyAt"):
                     seen[model_id] = now - _iso_epoch(record["readyAt"])
             time.sleep(0.02)
+        sending.result(timeout=60)
+        pool.shutdown()
         lags = list(seen.values())
         return {
             "samples": len(chosen),
@@ -541,6 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("MIRBAD_DATABASE_URL", "MIRBAD_REDIS_URL"):
         if not os.environ.get(name):
             parser.error(f"{name} is not set: the fleet bench runs on PostgreSQL and Redis")
+    # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the stack and the workers stop.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_dir = Path(tempfile.mkdtemp(prefix="mirbad-fleet-"))
     database = _fresh_database()
     saved = dict(os.environ)

@@ -446,7 +446,10 @@ class NodeWorker:
             log.warning("Node %s: connection lost: %s", self.node.node_id, error)
         self.connected = False
         self.status["lastError"] = error
-        await self.recompute()
+        try:
+            await self.recompute()
+        except Exception:  # Redis away or its pool exhausted: keep trying the node
+            log.exception("Node %s: recording the lost connection failed", self.node.node_id)
         await self._sleep(self.backoff)
         self.backoff = min(self.backoff * 2, BACKOFF_MAX)
 
@@ -501,6 +504,12 @@ class Monitor:
             dropped, stopped = [], []
             handed: dict[str, NodeWorker] = {}
             for node_id, (worker, task) in list(self.workers.items()):
+                if task.done() and not worker.stop.is_set():
+                    # A worker never ends on its own; one that did (a bug) would leave
+                    # its node Offline until the monitor restarts. Follow it again.
+                    log.error("Node %s: its worker had ended; following it again", node_id)
+                    del self.workers[node_id]
+                    continue
                 current = nodes.get(node_id)
                 if current is not None and current.address == worker.node.address:
                     if current.pins == worker.node.pins:

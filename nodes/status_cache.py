@@ -46,6 +46,10 @@ READER_FIELDS = ("statusSource", "statusAsOf", "maintenanceLeft")
 # its caller (for sync views, the one thread every Django view and the router's
 # database loads share) for the whole timeout while Redis is still away.
 RETRY_AFTER_SECONDS = 2.0
+# The monitor's write pool: enough for its workers' writes to overlap, few enough that
+# Redis never sees a connection per node; a write waits at most this long for one.
+ASYNC_POOL_CONNECTIONS = 32
+ASYNC_POOL_WAIT_SECONDS = 20.0
 LAST_KNOWN_MAX = 10_000  # nodes remembered per process (the registry is far smaller)
 
 
@@ -94,7 +98,18 @@ def async_client() -> aioredis.Redis:
     loop_id = id(asyncio.get_running_loop())
     client = _async_clients.get(loop_id)
     if client is None:
-        client = aioredis.Redis.from_url(settings.MIRBAD.redis_url, decode_responses=True)
+        # A blocking pool: the monitor's workers write at once after a restart (a
+        # thousand nodes reconnecting), and redis-py's default pool raises
+        # MaxConnectionsError past 100 connections instead of waiting for one; at 100
+        # nodes that left nodes Offline (docs/performance.md, "A fleet of a thousand
+        # machines"). A bounded pool queues the writes on a few connections instead.
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.MIRBAD.redis_url,
+            decode_responses=True,
+            max_connections=ASYNC_POOL_CONNECTIONS,
+            timeout=ASYNC_POOL_WAIT_SECONDS,
+        )
+        client = aioredis.Redis.from_pool(pool)  # the client owns (and closes) the pool
         _async_clients[loop_id] = client
     return client
 

@@ -1,0 +1,83 @@
+"""The monitor at fleet size: what bench/fleet.py found breaking at 100 nodes.
+
+After a master restart a hundred workers wrote their statuses at once; redis-py's
+default pool raised MaxConnectionsError past 100 connections, the failed write escaped
+the worker's error handling, and the worker ended: its node stayed Offline until the
+monitor was restarted (docs/performance.md, "A fleet of a thousand machines").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.exceptions
+from asgiref.sync import sync_to_async
+
+from nodes import monitor as monitor_module
+from nodes import status_cache
+from nodes.monitor import Monitor, NodeWorker
+from tests.factories import make_node
+
+pytestmark = [
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("close_db_after", "status_redis", "master_identity"),
+]
+
+
+async def test_two_hundred_writes_at_once_wait_for_a_connection() -> None:
+    client = status_cache.async_client()
+    try:
+        await asyncio.gather(
+            *(status_cache.awrite({"nodeId": f"burst-{i}", "state": "Online"}) for i in range(200))
+        )
+        assert await client.exists(*(f"mirbad:node:burst-{i}" for i in range(200))) == 200
+        assert client.connection_pool.max_connections == status_cache.ASYNC_POOL_CONNECTIONS
+    finally:
+        await client.delete(*(f"mirbad:node:burst-{i}" for i in range(200)))
+        await client.aclose()
+        status_cache._async_clients.clear()
+
+
+async def test_a_failed_status_write_does_not_end_the_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    node = await sync_to_async(make_node)("n1")  # https://127.0.0.1:1: nothing listens
+    monkeypatch.setattr(monitor_module, "BACKOFF_START", 0.02)
+    monkeypatch.setattr(monitor_module, "BACKOFF_MAX", 0.05)
+    writes = 0
+
+    async def failing(status: Any) -> None:
+        nonlocal writes
+        writes += 1
+        raise redis.exceptions.MaxConnectionsError("Too many connections")
+
+    monkeypatch.setattr(status_cache, "awrite", failing)
+    worker = NodeWorker(node=node, stop=asyncio.Event())
+    task = asyncio.create_task(worker.run())
+    try:
+        await asyncio.sleep(1.0)
+        assert not task.done(), task.exception() if task.done() else None
+        assert writes >= 3  # it kept trying the node, and recording the loss each time
+    finally:
+        worker.stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_refresh_follows_again_a_node_whose_worker_ended() -> None:
+    await sync_to_async(make_node)("n1")
+    monitor = Monitor(refresh_interval=60)
+    await monitor.refresh()
+    worker, task = monitor.workers["n1"]
+    task.cancel()  # as if it had ended on an error
+    await asyncio.gather(task, return_exceptions=True)
+    try:
+        await monitor.refresh()
+        again, running = monitor.workers["n1"]
+        assert again is not worker and not running.done()
+    finally:
+        for each, each_task in monitor.workers.values():
+            each.stop.set()
+            each_task.cancel()
+        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
