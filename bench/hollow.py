@@ -69,7 +69,7 @@ from agent.http import AgentServer  # noqa: E402
 from agent.identity import join, load_identity  # noqa: E402
 from agent.identity._tls import has_identity  # noqa: E402
 from agent.state import EventBus  # noqa: E402
-from agent.telemetry import GpuSampler  # noqa: E402
+from agent.telemetry import GpuSampler, _describe  # noqa: E402
 from protocol.tinygguf import write_tiny_gguf  # noqa: E402
 
 __all__ = ["HollowRuntime", "Worker", "hollow_server", "prepare_shared", "write_agent_config"]
@@ -380,7 +380,15 @@ def _say(obj: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
+def _no_gpus(timeout: float = 10.0) -> tuple[builtins.list[dict[str, Any]], str | None]:
+    return [], _describe.NVIDIA_SMI_ABSENT
+
+
 async def _worker(spec: dict[str, Any]) -> None:
+    # The stand-in hardware has no GPU. The real probe (NVML, then nvidia-smi) starts a
+    # thread per call; hundreds of nodes in one process probing every 5 s wedged the
+    # probe's single slot ("NVML has not answered") and held the /info answers.
+    _describe.probe_gpus = _no_gpus
     folder = Path(spec["folder"])
     engine, models = prepare_shared(folder)
     configs: dict[str, AgentConfig] = {}

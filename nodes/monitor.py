@@ -20,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+import redis.exceptions
 from asgiref.sync import sync_to_async
 from django.conf import settings
 
@@ -44,6 +45,8 @@ HEARTBEAT_STALE_AFTER = 15.0
 # then this often: a lost answer leaves one open while the monitor's own connection
 # to the node never dropped (docs/decisions.md D77).
 RECONCILE_INTERVAL = 30.0
+# Workers (re)connecting at once: the TLS handshake, /info and /status of each.
+CONNECT_CONCURRENCY = 32
 
 
 def heartbeat_age(now: float | None = None) -> float | None:
@@ -89,11 +92,16 @@ def _operations(data: dict[str, Any]) -> list[dict[str, str]]:
 class NodeWorker:
     """Follows one node. ``state`` is recomputed by :meth:`recompute` after every change."""
 
-    def __init__(self, *, node: Node, stop: asyncio.Event) -> None:
+    def __init__(
+        self, *, node: Node, stop: asyncio.Event, connect_gate: asyncio.Semaphore | None = None
+    ) -> None:
+        """``connect_gate`` bounds how many workers (re)connect at once (the Monitor's)."""
         self.node = node
         self.stop = stop
         self.client = AsyncAgentClient(node=node)
         self.rows = RowPublisher(node.node_id)
+        self.connect_gate = connect_gate
+        self.save_failing = False
         self.connected = False
         self.incompatible = False
         self.agent_fencing: dict[str, Any] | None = None
@@ -178,7 +186,7 @@ class NodeWorker:
         self.status["lastSeen"] = self.last_contact
         self.status["clockSkewSeconds"] = self.clock_skew
         if changed or force or announce:
-            await status_cache.awrite(self.status)
+            await self.save()
         if changed:
             codes = ", ".join(r["code"] for r in reasons)
             log.info("Node %s: %s -> %s. %s", self.node.node_id, previous, state.value, codes)
@@ -188,6 +196,19 @@ class NodeWorker:
             if previous != state.value or announce:
                 await self.publish_models()
         return changed
+
+    async def save(self) -> None:
+        """Write the record. A Redis failure is logged, not raised: it must not drop the
+        agent's connection (at 1,000 nodes it did, and each reconnect's handshake made
+        the overload worse); the next write carries the whole record again."""
+        try:
+            await status_cache.awrite(self.status)
+        except (redis.exceptions.RedisError, OSError) as exc:
+            if not self.save_failing:
+                log.warning("Node %s: writing its status failed: %s", self.node.node_id, exc)
+            self.save_failing = True
+        else:
+            self.save_failing = False
 
     async def publish_node(self) -> None:
         await events.publish(
@@ -329,7 +350,7 @@ class NodeWorker:
         self.touch()
         if name == "instance" and "instanceId" in data:
             self.status.setdefault("instances", {})[data["instanceId"]] = data
-            await status_cache.awrite(self.status)
+            await self.save()
             await events.invalidate_status(self.node.node_id)
             self.rows.instance_changed(data)  # off this path: the next event is not held
         elif name == "heartbeat":
@@ -350,11 +371,11 @@ class NodeWorker:
                     for d in data["downloads"]
                     if isinstance(d, dict) and "folder" in d
                 }
-            await status_cache.awrite(self.status)
+            await self.save()
         elif name == "download" and "folder" in data:
             downloads = self.status.setdefault("downloads", {})
             downloads[data["folder"]] = data
-            await status_cache.awrite(self.status)
+            await self.save()
             await self.publish_download(data)
         elif name == "fencing":
             self.agent_fencing = data.get("accepted")
@@ -390,7 +411,7 @@ class NodeWorker:
             sample = await self.client.telemetry()
             self.touch()
             self.status["telemetry"] = sample
-            await status_cache.awrite(self.status)
+            await self.save()
             await self.publish_node()
             await self.record_telemetry(sample)
             if time.monotonic() - self.reconciled_at >= RECONCILE_INTERVAL:
@@ -420,7 +441,8 @@ class NodeWorker:
         try:
             while not self.stop.is_set():
                 try:
-                    await self.connect()
+                    async with self.connect_gate or contextlib.nullcontext():
+                        await self.connect()
                     if self.incompatible:
                         await self._sleep(BACKOFF_MAX)
                         continue
@@ -482,6 +504,9 @@ class Monitor:
         # The loop and registry notifications both refresh: one at a time.
         self._refreshing = asyncio.Lock()
         self.listening = asyncio.Event()  # joined the monitor group
+        # A restart reconnects every node at once: bounded, the handshakes and snapshots
+        # queue instead of starving the loop that keeps the connected ones alive.
+        self.connect_gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
 
     @sync_to_async
     def load_nodes(self) -> list[Node]:
@@ -529,7 +554,9 @@ class Monitor:
                     dropped.append(node_id)
             for node_id, node in nodes.items():
                 if node_id not in self.workers:
-                    worker = NodeWorker(node=node, stop=asyncio.Event())
+                    worker = NodeWorker(
+                        node=node, stop=asyncio.Event(), connect_gate=self.connect_gate
+                    )
                     if node_id in handed:
                         worker.inherit(handed[node_id])
                     self.workers[node_id] = (worker, asyncio.create_task(worker.run()))

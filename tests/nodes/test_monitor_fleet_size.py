@@ -19,6 +19,7 @@ from nodes import monitor as monitor_module
 from nodes import status_cache
 from nodes.monitor import Monitor, NodeWorker
 from tests.factories import make_node
+from tests.nodes.conftest import Enrolled
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -81,3 +82,27 @@ async def test_refresh_follows_again_a_node_whose_worker_ended() -> None:
             each.stop.set()
             each_task.cancel()
         await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+
+
+async def test_a_failed_status_write_keeps_the_agent_connection(
+    enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    try:
+        await worker.connect()
+        assert worker.connected
+
+        async def failing(status: Any) -> None:
+            raise redis.exceptions.ConnectionError("No connection available.")
+
+        monkeypatch.setattr(status_cache, "awrite", failing)
+        # A heartbeat and a state change: both write, neither raises nor drops the agent.
+        await worker.handle_event("heartbeat", {"memory": {"totalBytes": 1}})
+        await worker.recompute()
+        assert worker.connected and worker.save_failing
+        monkeypatch.undo()
+        await worker.save()
+        assert not worker.save_failing
+        assert (await status_cache.aread("n1") or {}).get("nodeId") == "n1"
+    finally:
+        await worker.client.aclose()
