@@ -27,7 +27,12 @@ from django.conf import settings
 from nodes import events, fencing, hooks, operations, stalls, status_cache, telemetry
 from nodes.agent_client import AgentError, AsyncAgentClient
 from nodes.models import Node
-from nodes.monitor_rows import RowPublisher, publish_model_rows
+from nodes.monitor_rows import (
+    RowPublisher,
+    agent_operations,
+    node_summary,
+    publish_model_rows,
+)
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state, registry_state
 from protocol.versions import PROTOCOL_VERSIONS
 
@@ -55,38 +60,6 @@ def heartbeat_age(now: float | None = None) -> float | None:
     if raw is None:
         return None
     return (time.time() if now is None else now) - float(raw)
-
-
-def node_summary(status: status_cache.NodeStatus, node: Node | None = None) -> events.NodeSummary:
-    """The node's row data for the console; the registry flags come from ``node`` (a
-    console row changes shape when they change: docs/decisions.md D68)."""
-    telemetry = status.get("telemetry") or {}
-    memory = telemetry.get("memory") or {}
-    return events.NodeSummary(
-        nodeId=status["nodeId"],
-        state=status.get("state", NodeState.OFFLINE.value),
-        reasons=[r.get("code", "") for r in status.get("reasons", [])],
-        cpuPercent=telemetry.get("cpuPercent"),
-        memoryPercent=memory.get("percent"),
-        memoryUsedBytes=memory.get("usedBytes"),
-        memoryTotalBytes=memory.get("totalBytes"),
-        lastSeen=status.get("lastSeen"),
-        approved=node.approved if node is not None else None,
-        draining=node.draining if node is not None else None,
-        maintenance=bool(node.maintenance_left()) if node is not None else None,
-    )
-
-
-def _operations(data: dict[str, Any]) -> list[dict[str, str]]:
-    """The agent's operations not yet ended, as the console lists them (at most 50)."""
-    found = data.get("operations")
-    if not isinstance(found, list):
-        return []
-    return [
-        {k: str(op.get(k) or "")[:100] for k in ("id", "kind", "instanceId", "openedAt")}
-        for op in found[:50]
-        if isinstance(op, dict)
-    ]
 
 
 class NodeWorker:
@@ -198,9 +171,8 @@ class NodeWorker:
         return changed
 
     async def save(self) -> None:
-        """Write the record. A Redis failure is logged, not raised: it must not drop the
-        agent's connection (at 1,000 nodes it did, and each reconnect's handshake made
-        the overload worse); the next write carries the whole record again."""
+        """Write the record; a Redis failure is logged, never a lost agent (at 1,000
+        nodes the reconnects fed the overload). The next write carries it whole."""
         try:
             await status_cache.awrite(self.status)
         except (redis.exceptions.RedisError, OSError) as exc:
@@ -344,7 +316,7 @@ class NodeWorker:
         }
         if snapshot.get("telemetry"):
             self.status["telemetry"] = snapshot["telemetry"]
-        self.status["operations"] = _operations(snapshot)
+        self.status["operations"] = agent_operations(snapshot)
 
     async def handle_event(self, name: str, data: dict[str, Any]) -> None:
         self.touch()
@@ -364,7 +336,7 @@ class NodeWorker:
                 self.status["fencing"] = self.agent_fencing
                 await self.recompute()
             if "operations" in data:
-                self.status["operations"] = _operations(data)
+                self.status["operations"] = agent_operations(data)
             if "downloads" in data:
                 self.status["downloads"] = {
                     d["folder"]: d

@@ -1,5 +1,8 @@
-"""What an instance event costs the monitor after the status is in Redis: the console's
-model rows and the memory measurement, off the event's path and coalesced.
+"""The rows the monitor publishes for the console: a node's summary, its open
+operations, and its models' rows with the memory measurements.
+
+What an instance event costs after the status is in Redis (the model rows and the
+measurement) runs off the event's path and coalesced.
 
 Both need the database, and every database call of the monitor goes through the one
 thread ``sync_to_async`` keeps for them. Awaited inside the event handler, a burst of
@@ -20,9 +23,43 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 
-from nodes import events, hooks
+from nodes import events, hooks, status_cache
+from nodes.models import Node
+from nodes.states import NodeState
 
 log = logging.getLogger("mirbad.monitor")
+
+
+def node_summary(status: status_cache.NodeStatus, node: Node | None = None) -> events.NodeSummary:
+    """The node's row data for the console; the registry flags come from ``node`` (a
+    console row changes shape when they change: docs/decisions.md D68)."""
+    telemetry = status.get("telemetry") or {}
+    memory = telemetry.get("memory") or {}
+    return events.NodeSummary(
+        nodeId=status["nodeId"],
+        state=status.get("state", NodeState.OFFLINE.value),
+        reasons=[r.get("code", "") for r in status.get("reasons", [])],
+        cpuPercent=telemetry.get("cpuPercent"),
+        memoryPercent=memory.get("percent"),
+        memoryUsedBytes=memory.get("usedBytes"),
+        memoryTotalBytes=memory.get("totalBytes"),
+        lastSeen=status.get("lastSeen"),
+        approved=node.approved if node is not None else None,
+        draining=node.draining if node is not None else None,
+        maintenance=bool(node.maintenance_left()) if node is not None else None,
+    )
+
+
+def agent_operations(data: dict[str, Any]) -> list[dict[str, str]]:
+    """The agent's operations not yet ended, as the console lists them (at most 50)."""
+    found = data.get("operations")
+    if not isinstance(found, list):
+        return []
+    return [
+        {k: str(op.get(k) or "")[:100] for k in ("id", "kind", "instanceId", "openedAt")}
+        for op in found[:50]
+        if isinstance(op, dict)
+    ]
 
 
 async def publish_model_rows(node_id: str, model_ids: list[int] | None = None) -> None:

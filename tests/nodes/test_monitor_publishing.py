@@ -206,7 +206,7 @@ async def _is(node_id: str, state: str) -> bool:
 def test_a_node_summary_carries_the_registry_flags_a_row_changes_shape_with() -> None:
     """live.js fetches a row again when these change (docs/decisions.md D68): a drain
     made on another page shows without a reload."""
-    from nodes.monitor import node_summary
+    from nodes.monitor_rows import node_summary
 
     node = make_node("n1")
     node.draining = True
