@@ -231,12 +231,32 @@ def tell_monitor(node_id: str) -> None:
 # -- sending and listening --------------------------------------------------------------
 
 
+# group_send takes a connection from channels_redis's pool for each message, and that
+# pool raises MaxConnectionsError past 100 connections instead of waiting: a thousand
+# monitor workers publishing at once hit it, thousands of times a minute
+# (docs/performance.md, "A fleet of a thousand machines"). Sends queue here instead.
+SEND_CONCURRENCY = 32
+_send_gates: dict[int, asyncio.Semaphore] = {}
+
+
+def _send_gate() -> asyncio.Semaphore:
+    """This event loop's gate (asyncio primitives belong to one loop)."""
+    loop_id = id(asyncio.get_running_loop())
+    gate = _send_gates.get(loop_id)
+    if gate is None:
+        if len(_send_gates) > 64:  # loops of finished tests, threads' async_to_sync
+            _send_gates.clear()
+        gate = _send_gates[loop_id] = asyncio.Semaphore(SEND_CONCURRENCY)
+    return gate
+
+
 async def _send(group: str, message: dict[str, Any], what: str) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        await layer.group_send(group, message)
+        async with _send_gate():
+            await layer.group_send(group, message)
     except Exception:  # a full channel or a Redis blip must not stop the sender
         log.warning("Could not publish a %s to %s", what, group, exc_info=True)
 

@@ -106,3 +106,20 @@ async def test_a_failed_status_write_keeps_the_agent_connection(
         assert (await status_cache.aread("n1") or {}).get("nodeId") == "n1"
     finally:
         await worker.client.aclose()
+
+
+async def test_three_hundred_publishes_at_once_wait_for_a_connection(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from channels.layers import get_channel_layer
+
+    from nodes import events
+
+    try:
+        await asyncio.gather(
+            *(events.invalidate_status(f"burst-{i}") for i in range(300)),
+        )
+    finally:
+        await get_channel_layer().close_pools()
+    refused = [r.getMessage() for r in caplog.records if "Could not publish" in r.getMessage()]
+    assert refused == []
