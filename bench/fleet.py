@@ -120,6 +120,7 @@ class Fleet:
         self.made = 0  # hollow nodes made so far (a killed one is not replaced by its name)
         self.placed: dict[int, str] = {}  # model id -> its node
         self.defined = 0  # models defined so far (their names count on)
+        self.refused_starts = 0  # starts refused because the node was seen Offline
         self.port = _procs.free_port()
         self.http: httpx.Client | None = None
         self.console: httpx.Client | None = None
@@ -242,7 +243,7 @@ class Fleet:
             created = list(pool.map(define, range(first_model, self.defined)))
             defined = time.monotonic() - began
             began = time.monotonic()
-            list(pool.map(lambda m: self.api("POST", f"/api/models/{m}/start"), created))
+            list(pool.map(self.start_model, created))
         self.models += created
         ready = _wait(self.all_ready, 900, f"{len(self.models)} models Ready", interval=1.0)
         return {
@@ -251,7 +252,29 @@ class Fleet:
             "modelsDefineSeconds": round(defined, 1),
             "modelsReadySeconds": round(time.monotonic() - began, 1),
             "modelsReadyWait": round(ready, 1),
+            "startsRefusedNodeOffline": self.refused_starts,
         }
+
+    def start_model(self, model_id: int) -> None:
+        """POST start; a node seen Offline for a moment (a flap) is retried and counted."""
+        for _ in range(30):
+            assert self.http is not None
+            answer = self.http.post(f"/api/models/{model_id}/start")
+            if answer.status_code < 300:
+                return
+            if answer.status_code != 503 or "node_not_serving" not in answer.text:
+                raise RuntimeError(
+                    f"starting model {model_id}: {answer.status_code} {answer.text[:300]}"
+                )
+            self.refused_starts += 1
+            time.sleep(1.0)
+        raise RuntimeError(f"model {model_id}: its node was not serving for 30 s")
+
+    def flaps(self) -> int:
+        """Online -> Offline transitions the monitor logged so far (none is expected but
+        the killed node's: the others keep heartbeating)."""
+        log = self.stack.data / "logs" / "monitor.log"
+        return log.read_text(errors="replace").count(": Online -> Offline.") if log.exists() else 0
 
     def statuses(self) -> dict[str, dict[str, Any]]:
         keys = [f"mirbad:node:{n}" for n in self.nodes]
@@ -434,12 +457,15 @@ def measure(fleet: Fleet, size: int, quick: bool) -> dict[str, Any]:
     result["models"] = len(fleet.models)
     say(f"grown: {result['grow']}")
     time.sleep(3 if quick else 15)  # the start burst settles
+    flaps = fleet.flaps()
     result["steady"] = fleet.steady(10 if quick else 60)
     say(f"steady: {result['steady']}")
     result["freshness"] = fleet.freshness(5 if quick else 100)
     say(f"freshness: {result['freshness']}")
     result["timings"] = fleet.timings(5 if quick else 30)
     say(f"timings: {result['timings']}")
+    result["flaps"] = fleet.flaps() - flaps
+    say(f"nodes that went Online -> Offline meanwhile: {result['flaps']}")
     result["kill"] = fleet.kill_one()
     say(f"kill: {result['kill']}")
     result["restart"] = fleet.restart()
@@ -487,6 +513,16 @@ def render(results: list[dict[str, Any]]) -> str:
         ("monitor memory", lambda r: _mb(r["steady"]["monitorRssBytes"]), "< 1 GiB"),
         ("web process memory", lambda r: _mb(r["steady"]["webRssBytes"]), "< 1 GiB"),
         ("models", lambda r: f"{r['models']:,}", "5,000 at 1,000"),
+        (
+            "nodes seen Offline while alive (steady, freshness, pages)",
+            lambda r: f"{r['flaps']}",
+            "0",
+        ),
+        (
+            "starts refused: node seen Offline",
+            lambda r: f"{r['grow']['startsRefusedNodeOffline']}",
+            "0",
+        ),
         (
             "enroll + start the new hollow agents (s)",
             lambda r: f"{r['grow']['enrollAndStartSeconds']:.1f}",

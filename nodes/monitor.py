@@ -326,7 +326,10 @@ class NodeWorker:
             await events.invalidate_status(self.node.node_id)
             self.rows.instance_changed(data)  # off this path: the next event is not held
         elif name == "heartbeat":
-            # Memory and disk are refreshed with every heartbeat, not only at connect.
+            # Memory and disk are refreshed with every heartbeat, and reach Redis with the
+            # next write (the telemetry pull, every 5 s): a write per heartbeat doubled
+            # the monitor's Redis writes at fleet size. What the console acts on
+            # (operations, downloads) is written at once when it changed.
             telemetry = self.status.setdefault("telemetry", {})
             for key in ("memory", "disks", "gpus", "weights"):
                 if key in data:
@@ -335,6 +338,7 @@ class NodeWorker:
                 self.agent_fencing = data["fencing"]
                 self.status["fencing"] = self.agent_fencing
                 await self.recompute()
+            before = (self.status.get("operations"), self.status.get("downloads"))
             if "operations" in data:
                 self.status["operations"] = agent_operations(data)
             if "downloads" in data:
@@ -343,7 +347,8 @@ class NodeWorker:
                     for d in data["downloads"]
                     if isinstance(d, dict) and "folder" in d
                 }
-            await self.save()
+            if (self.status.get("operations"), self.status.get("downloads")) != before:
+                await self.save()
         elif name == "download" and "folder" in data:
             downloads = self.status.setdefault("downloads", {})
             downloads[data["folder"]] = data
