@@ -1,4 +1,4 @@
-"""Console page server time with 100 nodes and 500 models (issue 14; not a test).
+"""Console page server time with 100 nodes and 500 models (issues 14, 19; not a test).
 
 Run: ``.venv/bin/python bench/console_pages.py`` from the repository root, with
 ``MIRBAD_REDIS_URL`` pointing at a Redis it may write a few thousand keys to (default
@@ -6,17 +6,25 @@ Run: ``.venv/bin/python bench/console_pages.py`` from the repository root, with
 history's, removed at the end). It makes a fresh data directory under /tmp (SQLite,
 migrated; ``--database-url`` for PostgreSQL), fills it with ``--nodes`` nodes (default
 100) and ``--models`` models (default 500, one replica each, spread over the nodes),
-a status record per node with telemetry and Ready instances, and an hour of 5 s
-telemetry history per node, then renders each page ``--runs`` times (default 30)
-through Django's test client as a logged-in operator: the whole server side (URL
-resolution, middleware, sessions, database, Redis, templates), no network, and no
-test instrumentation of the templates. Each page's gen-2 garbage collections during
-its runs are counted beside its times (they are the slow outliers).
+a status record per node with telemetry and Ready instances (each with the fingerprint
+the agent reports for its definition, so restart-pending checks run as in a fleet), and
+``--history-steps`` 5 s telemetry points per node (an hour by default; one node in
+``STALLED_EVERY`` is stalled, its models flagged). Before each page's runs every node's
+record, newest point and stall flags are written again (``_refresh``): a monitor keeps
+them current, and a fill or a page's runs take longer than the 15 s after which a silent
+node is Offline. Then it renders each page ``--runs`` times (default 30) through
+Django's test client as a logged-in operator: the whole server side (URL resolution,
+middleware, sessions, database, Redis, templates), no network, and no test
+instrumentation of the templates. Each page's gen-2 garbage collections during its runs
+are counted beside its times (they are the slow outliers). ``--pages`` measures only
+some pages; ``--profile URL`` times one URL and prints a cProfile of one render.
 
 Beside them, in the same run, the reference: Django admin's node changelist (the same
-100 nodes through Django's own code) and the login page (an almost empty template).
-Prints p50, p95 and max per page in ms and ``--json FILE`` writes them; the target is
-under 150 ms per page (docs/performance.md).
+nodes through Django's own code, 100 a page) and the login page (an almost empty
+template). Prints p50, p95 and max per page in ms and ``--json FILE`` writes them; the
+target is under 150 ms per page (docs/performance.md). The Overview at 1,000 nodes and
+5,000 models (issue 19): ``--nodes 1000 --models 5000 --history-steps 3 --pages Overview``
+(it reads only each node's newest point, and the fill takes seconds instead of minutes).
 """
 
 from __future__ import annotations
@@ -64,45 +72,153 @@ def _gpu(index: int) -> dict[str, Any]:
     }
 
 
-def _fill(nodes: int, models: int, history_steps: int = 720) -> tuple[str, int]:
-    """The fleet: nodes with status and history, models placed one replica each."""
+# One node in this many has stalled engines (a few Needs attention lines, as in a fleet).
+STALLED_EVERY = 100
+# The engine version the nodes report running (the fingerprints are computed with it).
+AGENT_ENGINE_VERSION = "0.6.0-dev"
+# History is written for this many nodes at once (one event loop, concurrent writes).
+WRITERS = 50
+
+
+class Fleet:
+    """What the fill made, for :func:`_refresh`: each node's sample and instance ids."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, dict[str, Any]] = {}
+        self.placements: dict[str, list[str]] = {}
+        self.steps: dict[str, int] = {}
+        self.fingerprints: dict[str, str] = {}  # by instance id, as the agent reports it
+
+
+def _stalled(node_id: str) -> bool:
+    """Every STALLED_EVERY-th node's engines are busy and make no tokens: flagged stalled
+    once their history covers 5 minutes (nodes/stalls.py)."""
+    return int(node_id.rsplit("-", 1)[1]) % STALLED_EVERY == STALLED_EVERY - 1
+
+
+def _engines(fleet: Fleet, node_id: str) -> list[dict[str, Any]]:
+    """The node's engine values at its next step."""
+    step = fleet.steps[node_id] = fleet.steps.get(node_id, -1) + 1
+    stalled = _stalled(node_id)
+    counters = 1000.0 + (0 if stalled else 50 * step)
+    return [
+        {"instanceId": iid, "pid": 1, "cpuPercent": 90.0, "rssBytes": 3 * 2**30,
+         "metrics": {"requestsRunning": 1.0, "requestsWaiting": 0.0,
+                     "promptTokensTotal": counters, "generationTokensTotal": counters,
+                     "kvCacheUsageRatio": 0.2}}
+        for iid in fleet.placements[node_id]
+    ]  # fmt: skip
+
+
+async def _node_history(fleet: Fleet, node_id: str, steps: int, now: float) -> None:
+    from nodes import stalls, telemetry
+
+    if _stalled(node_id):  # whatever --history-steps says: the flag needs its 5 minutes
+        steps = max(steps, int(stalls.WINDOW_SECONDS // telemetry.INTERVAL_SECONDS) + 2)
+    for step in range(steps):  # an hour at 5 s by default, the newest at ``now``
+        sample = {**fleet.samples[node_id], "engines": _engines(fleet, node_id)}
+        await telemetry.arecord(node_id, sample, now=now - 5 * (steps - 1 - step))
+
+
+async def _node_current(fleet: Fleet, node_id: str, now: float) -> None:
+    """What the monitor writes at each sample: the record, a point and the stall flags."""
+    from nodes import stalls, status_cache, telemetry
+
+    sample = fleet.samples[node_id]
+    instances = {
+        iid: {
+            "instanceId": iid,
+            "state": "Ready",
+            "measured": {"bytes": 3 * 2**30},
+            "fingerprint": fleet.fingerprints.get(iid),
+            "executable": {"name": "llama.cpp", "version": AGENT_ENGINE_VERSION},
+        }
+        for iid in fleet.placements[node_id]
+    }
+    await status_cache.awrite(
+        {
+            "nodeId": node_id,
+            "state": "Online",
+            "reasons": [],
+            "lastSeen": now,
+            "instances": instances,
+            "telemetry": sample,
+        }
+    )
+    await telemetry.arecord(node_id, {**sample, "engines": _engines(fleet, node_id)}, now=now)
+    await stalls.aupdate(node_id, now)
+
+
+def _each_node(fleet: Fleet, work: Any) -> None:
+    """``work(node_id)`` for every node, WRITERS at a time, in one event loop (the async
+    Redis client is one per loop)."""
     import asyncio
 
-    from django.contrib.auth import get_user_model
+    async def run() -> None:
+        ids = list(fleet.samples)
+        for first in range(0, len(ids), WRITERS):
+            await asyncio.gather(*(work(n) for n in ids[first : first + WRITERS]))
 
+    asyncio.run(run())
+
+
+def _refresh(fleet: Fleet) -> None:
+    """Every node Online again, as its monitor keeps it: a fill or a page's runs take longer
+    than the 15 s after which a silent node is Offline (nodes/status.py) and the minute
+    after which its telemetry is not current. Outside the timed renders."""
+    now = time.time()
+    _each_node(fleet, lambda node_id: _node_current(fleet, node_id, now))
+
+
+def _fill(
+    nodes: int, models: int, history_steps: int = 720, fingerprints: bool = True
+) -> tuple[Fleet, str, int]:
+    """The fleet: nodes with status and history, models placed one replica each."""
+    from django.contrib.auth import get_user_model
+    from django.db import transaction
+
+    from agent.engines._spec import fingerprint, parse_launch_spec
+    from models_registry import lifecycle
     from models_registry.models import ModelDefinition, Placement
-    from nodes import status_cache, telemetry
     from nodes.models import Node
 
-    now = time.time()
-    fleet = [
-        Node.objects.create(
-            node_id=f"node-{i:03d}",
-            address=f"https://10.0.{i // 250}.{i % 250 + 1}:9443",
-            approved=True,
-            spki_pin="A" * 43 + "=",
-            os="Linux",
-            arch="x86_64",
-            agent_version="0.9.0",
-            protocol_version=1,
+    fleet = Fleet()
+    with transaction.atomic():  # one commit: SQLite syncs the disk at each
+        rows = Node.objects.bulk_create(
+            Node(
+                node_id=f"node-{i:03d}",
+                address=f"https://10.0.{i // 250}.{i % 250 + 1}:9443",
+                approved=True,
+                spki_pin="A" * 43 + "=",
+                os="Linux",
+                arch="x86_64",
+                agent_version="0.9.0",
+                protocol_version=1,
+            )
+            for i in range(nodes)
         )
-        for i in range(nodes)
-    ]
-    placements: dict[str, list[str]] = {n.node_id: [] for n in fleet}
-    for j in range(models):
-        node = fleet[j % nodes]
-        model = ModelDefinition.objects.create(
-            served_name=f"model-{j:03d}", source_folder=f"m{j}", source_file="m.gguf"
+        defined = ModelDefinition.objects.bulk_create(
+            ModelDefinition(
+                served_name=f"model-{j:03d}", source_folder=f"m{j}", source_file="m.gguf"
+            )
+            for j in range(models)
         )
-        placement = Placement.objects.create(model=model, node=node)
-        placements[node.node_id].append(placement.instance_id)
-    samples: dict[str, dict[str, Any]] = {}
-    for node in fleet:
-        instances = {
-            iid: {"instanceId": iid, "state": "Ready", "measured": {"bytes": 3 * 2**30}}
-            for iid in placements[node.node_id]
-        }
-        sample: dict[str, Any] = {
+        placed = Placement.objects.bulk_create(
+            Placement(model=model, node=rows[j % nodes]) for j, model in enumerate(defined)
+        )
+        user = get_user_model().objects.create_user("bench", password="x", is_staff=True)  # noqa: S106
+        user.is_superuser = True
+        user.save()
+    fleet.placements = {n.node_id: [] for n in rows}
+    for placement in placed:
+        fleet.placements[placement.node.node_id].append(placement.instance_id)
+        # What the agent reports for the definition it started: settings unchanged since,
+        # so no model is "restart pending", but the Overview has every one to check.
+        if fingerprints:
+            spec = parse_launch_spec(lifecycle.launch_spec(placement.model, placement))
+            fleet.fingerprints[placement.instance_id] = fingerprint(spec, AGENT_ENGINE_VERSION)
+    for node in rows:
+        fleet.samples[node.node_id] = {
             "cpuPercent": 42.0,
             "cpuPerCore": [40.0] * 16,
             "load": [2.0, 1.5, 1.0],
@@ -110,37 +226,12 @@ def _fill(nodes: int, models: int, history_steps: int = 720) -> tuple[str, int]:
             "disks": [{"path": "/srv/models", "totalBytes": 2 * 2**40, "freeBytes": 2**40}],
             "gpus": [_gpu(g) for g in range(4)],
         }
-        status_cache.write(
-            {
-                "nodeId": node.node_id,
-                "state": "Online",
-                "reasons": [],
-                "lastSeen": now,
-                "instances": instances,
-                "telemetry": sample,
-            }
-        )
-        samples[node.node_id] = sample
-
-    async def history() -> None:
-        # One event loop for all of it: the async Redis client is one per loop.
-        for node_id, sample in samples.items():
-            for step in range(history_steps):  # an hour at 5 s by default
-                counters = 1000.0 + 50 * step
-                sample["engines"] = [
-                    {"instanceId": iid, "pid": 1, "cpuPercent": 90.0, "rssBytes": 3 * 2**30,
-                     "metrics": {"requestsRunning": 1.0, "requestsWaiting": 0.0,
-                                 "promptTokensTotal": counters, "generationTokensTotal": counters,
-                                 "kvCacheUsageRatio": 0.2}}
-                    for iid in placements[node_id]
-                ]  # fmt: skip
-                await telemetry.arecord(node_id, sample, now=now - 5 * (history_steps - step))
-
-    asyncio.run(history())
-    user = get_user_model().objects.create_user("bench", password="x", is_staff=True)  # noqa: S106
-    user.is_superuser = True
-    user.save()
-    return fleet[0].node_id, ModelDefinition.objects.order_by("pk").first().pk  # type: ignore[union-attr]
+    now = time.time()
+    _each_node(fleet, lambda node_id: _node_history(fleet, node_id, history_steps, now))
+    _refresh(fleet)
+    first = ModelDefinition.objects.order_by("pk").first()
+    assert first is not None
+    return fleet, rows[0].node_id, first.pk
 
 
 _GC_PAUSES: list[tuple[int, float]] = []
@@ -183,14 +274,35 @@ def main() -> None:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
     parser.add_argument("--database-url", default="")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--history-steps", type=int, default=720, help="5 s points per node")
+    parser.add_argument(
+        "--history-steps",
+        type=int,
+        default=720,
+        help="5 s points per node (the stalled nodes get at least their 5 minutes); the "
+        "Overview reads only the newest, so a few are enough for it and fill much faster",
+    )
     parser.add_argument(
         "--no-gc-freeze",
         dest="gc_freeze",
         action="store_false",
         help="leave the heap in the collector (mirbad_site/asgi.py freezes it at start)",
     )
-    parser.add_argument("--profile", default="", help="cProfile this URL instead")
+    parser.add_argument(
+        "--profile", default="", help="time this URL --runs times, then cProfile one render of it"
+    )
+    parser.add_argument(
+        "--no-fingerprints",
+        dest="fingerprints",
+        action="store_false",
+        help="instances without the fingerprint the agent reports (no restart-pending "
+        "checks: what the bench measured before issue 19)",
+    )
+    parser.add_argument(
+        "--pages",
+        default="",
+        help="only the pages whose name contains one of these comma-separated words "
+        "(the references are always measured), e.g. --pages Overview",
+    )
     args = parser.parse_args()
     _setup_env(args)
 
@@ -206,7 +318,7 @@ def main() -> None:
     redis = status_cache.sync_client()
     redis.flushdb()
     started = time.perf_counter()
-    node_id, model_id = _fill(args.nodes, args.models, args.history_steps)
+    fleet, node_id, model_id = _fill(args.nodes, args.models, args.history_steps, args.fingerprints)
     print(
         f"filled {args.nodes} nodes, {args.models} models in {time.perf_counter() - started:.0f} s"
     )
@@ -222,16 +334,23 @@ def main() -> None:
         import cProfile
         import pstats
 
-        client.get(args.profile)
+        # Its times first (the first two renders warm up), then one render profiled.
+        _refresh(fleet)
+        timed = _measure(client, args.profile, args.runs)
+        print(f"{args.profile}: p50 {timed['p50_ms']} ms, max {timed['max_ms']} ms")
+        _refresh(fleet)
         profiler = cProfile.Profile()
         profiler.enable()
-        for _ in range(5):
-            client.get(args.profile)
+        client.get(args.profile)
         profiler.disable()
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(40)
+        stats = pstats.Stats(profiler)
+        stats.sort_stats("cumulative").print_stats(45)
+        stats.sort_stats("tottime").print_stats(25)
+        redis.flushdb()
         return
     pages = {
         "Overview /": "/",
+        "Overview summary (live.js)": "/overview/summary/",
         "Nodes /nodes/": "/nodes/",
         "Node page /nodes/<id>/": f"/nodes/{node_id}/",
         "Node history 1h": f"/nodes/{node_id}/history.json",
@@ -244,10 +363,18 @@ def main() -> None:
         "reference: admin node changelist": "/admin/nodes/node/",
         "reference: login page": "/login/",
     }
+    wanted = [w.strip().lower() for w in args.pages.split(",") if w.strip()]
+    if wanted:
+        pages = {
+            name: url
+            for name, url in pages.items()
+            if name.startswith("reference") or any(w in name.lower() for w in wanted)
+        }
     gc.callbacks.append(_gc_watch)
     results: dict[str, Any] = {"nodes": args.nodes, "models": args.models, "runs": args.runs}
     for name, url in pages.items():
         anonymous = Client() if url == "/login/" else client
+        _refresh(fleet)
         results[name] = _measure(anonymous, url, args.runs)
         r = results[name]
         print(

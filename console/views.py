@@ -19,10 +19,9 @@ from django.views.decorators.http import require_POST
 
 from console import node_views
 from console.access import operator_required
-from console.formats import gib
 from core import supervision
 from core.errors import ServiceError
-from models_registry import kpis, lifecycle
+from models_registry import kpis
 from models_registry import listing as model_listing
 from models_registry import services as model_services
 from models_registry.models import ModelDefinition
@@ -64,8 +63,8 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
     """
     nodes = list(Node.objects.order_by("node_id"))
     listing.attach_open_rotations(nodes)
-    models = model_listing.with_placements(list(ModelDefinition.objects.all()), nodes)
     statuses = node_status.read_many(nodes)
+    model_counts, model_rows, flags = _models(statuses, nodes)
     stuck = _stuck_operations()
     shown = nodes[:OVERVIEW_ROWS] if table else []
     shown_ids = {n.node_id for n in shown}
@@ -76,7 +75,6 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
         if n.node_id in shown_ids or _may_need_attention(n, statuses[n.node_id], stuck_ids)
     ]
     rows = {row["node_id"]: row for row in node_views.rows_for(row_nodes, statuses)}
-    model_rows = [_model_row(model, statuses) for model in models]
     download_rows = [
         {"node_id": node_id, **download_row(d)}
         for node_id, status in sorted(statuses.items())
@@ -86,11 +84,11 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
     stale, as_of = status_cache.oldest_as_of(statuses)
     states = [node_status.state_of(statuses[n.node_id]) for n in nodes]
     return {
-        "tiles": _tiles(states, model_rows, points),
+        "tiles": _tiles(states, model_counts, points),
         "attention": _attention(
             [rows[n.node_id] for n in row_nodes],
             model_rows,
-            kpis.model_flags(models),
+            flags,
             download_rows,
             stuck,
         ),
@@ -100,6 +98,49 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
         "redis_unreachable": stale,
         "statuses_as_of": _utc(as_of),
     }
+
+
+def _models(
+    statuses: dict[str, NodeStatus], nodes: list[Node]
+) -> tuple[dict[str, int], list[dict[str, Any]], dict[int, kpis.Flags]]:
+    """The models tile's counts, the models that have a Needs attention line (by served
+    name), and the flagged ones.
+
+    The whole registry is read as plain values, two queries of a few columns: each
+    model's state over its replicas (``services.replicas_state``) and its stalled and
+    slow flags (``kpis.replica_flags``) come from them and the statuses read once; only
+    the restart-pending check loads models (``listing.restart_pending``), with the
+    columns it needs. Rows are built for the models that have a line, no others.
+    """
+    replicas = model_services.all_replicas()
+    flags = kpis.replica_flags(
+        (
+            (model_id, node_id, iid)
+            for model_id, found in replicas.items()
+            for node_id, iid in found
+        ),
+        statuses,
+    )
+    pending = model_listing.restart_pending(replicas, statuses, {n.pk: n for n in nodes})
+    ready = placed = total = 0
+    rows: list[dict[str, Any]] = []
+    for model_id, served_name in ModelDefinition.objects.values_list("pk", "served_name"):
+        total += 1
+        state = model_services.replicas_state(replicas.get(model_id, ()), statuses)
+        ready += state["state"] == "Ready"
+        placed += state["nodeId"] is not None
+        if state["state"] == "Failed" or model_id in flags or model_id in pending:
+            rows.append(
+                {
+                    "id": model_id,
+                    "served_name": served_name,
+                    "state": state["state"],
+                    "error": state["error"] or "",
+                    "restart_pending": model_id in pending,
+                }
+            )
+    counts = {"models_ready": ready, "models_placed": placed, "models_total": total}
+    return counts, rows, flags
 
 
 @operator_required
@@ -127,16 +168,14 @@ def _sum(values: list[float | None]) -> float | None:
 
 def _tiles(
     node_states: list[str],
-    model_rows: list[dict[str, Any]],
+    model_counts: dict[str, int],
     points: dict[str, telemetry.Point | None],
 ) -> dict[str, Any]:
     engines = [e for p in points.values() if p for e in p.get("engines", {}).values()]
     return {
         "nodes_by_state": sorted(Counter(node_states).items()),
         "nodes_total": len(node_states),
-        "models_ready": sum(1 for m in model_rows if m["state"] == "Ready"),
-        "models_placed": sum(1 for m in model_rows if m["node_id"] != "-"),
-        "models_total": len(model_rows),
+        **model_counts,
         "requests_per_minute": recent_requests.last_minute(),
         "tokens_per_second": _sum([e.get("genTps") for e in engines]),
         "queue_depth": _sum([e.get("waiting") for e in engines]),
@@ -231,41 +270,6 @@ def _attention(
 
 def _utc(moment: float | None) -> datetime.datetime | None:
     return datetime.datetime.fromtimestamp(moment, datetime.UTC) if moment is not None else None
-
-
-def _model_row(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[str, object]:
-    """One model line: the row model.updated also carries, the budget, notes."""
-    summary = model_services.model_summary(model, statuses)
-    budget = model.memory_budget_bytes or (model.estimate or {}).get("budgetBytes")
-    notes = []
-    pending = False
-    for placement in model.placements.all():
-        status = statuses.get(placement.node.node_id) or {}
-        inst = (status.get("instances") or {}).get(placement.instance_id)
-        if not inst:
-            continue
-        value = (inst.get("measured") or {}).get("bytes")
-        if isinstance(value, int):
-            flag = lifecycle.over_budget_text(budget, value)
-            if flag:
-                notes.append(f"{placement.node.node_id}: {flag}")
-        if lifecycle.restart_pending(model, placement, inst):
-            pending = True
-            notes.append(f"{placement.node.node_id}: restart pending")
-    if model.auto_start_note:
-        notes.append(model.auto_start_note)
-    return {
-        "id": model.pk,
-        "served_name": model.served_name,
-        "state": summary["state"],
-        "node_id": summary["nodeId"] or "-",
-        "error": summary["error"] or "",
-        "budget_gib": gib(budget),
-        "measured_gib": gib(summary["measuredBytes"]),
-        "restarts": summary["restartCount"],
-        "notes": "; ".join(notes),
-        "restart_pending": pending,
-    }
 
 
 def download_row(download: dict) -> dict[str, object]:

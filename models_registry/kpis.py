@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
 from models_registry.models import ModelDefinition, Placement
 from nodes import stalls, telemetry
 from nodes import status as node_status
 from nodes.stalls import CLEAR, Flags, empty_engine
+from nodes.status_cache import NodeStatus
 from nodes.telemetry import EnginePoint, Window
 from protocol.states import InstanceState
 
@@ -45,43 +46,57 @@ def _placements(models: Sequence[ModelDefinition]) -> list[Placement]:
 
 
 def model_flags(models: Sequence[ModelDefinition], now: float | None = None) -> dict[int, Flags]:
-    """Each model's warnings: flagged when any Ready replica is.
+    """Each model's warnings: flagged when any Ready replica is (:func:`replica_flags`).
 
     Three reads whatever the count: the placements (one query), the nodes' statuses
-    (one MGET) and the nodes' last minutes of history (one pipeline), each node's
-    read once and shared by every model placed on it.
+    (one MGET) and the nodes' stored flags (one MGET).
     """
-    now = time.time() if now is None else now
     out: dict[int, Flags] = {m.pk: CLEAR for m in models}
     placements = _placements(models)
     if not placements:
         return out
-    nodes = {p.node.node_id: p.node for p in placements}
-    statuses = node_status.read_many(nodes.values())
-    ready: list[Placement] = []
-    for placement in placements:
-        status = statuses.get(placement.node.node_id)
+    statuses = node_status.read_many({p.node.node_id: p.node for p in placements}.values())
+    replicas = ((p.model_id, p.node.node_id, p.instance_id) for p in placements)
+    return out | replica_flags(replicas, statuses, now)
+
+
+def replica_flags(
+    replicas: Iterable[tuple[int, str, str]],
+    statuses: dict[str, NodeStatus],
+    now: float | None = None,
+) -> dict[int, Flags]:
+    """The flagged models only, from their replicas (model id, node id, instance id) and
+    the nodes' effective statuses: a replica counts when its node serves and it is Ready;
+    one MGET of the stored flags of those replicas' nodes, each node read once and shared
+    by every model placed on it."""
+    now = time.time() if now is None else now
+    ready: list[tuple[int, str, str]] = []
+    for model_id, node_id, instance_id in replicas:
+        status = statuses.get(node_id)
         if not node_status.is_serving(status):
             continue
         assert status is not None
-        instance = (status.get("instances") or {}).get(placement.instance_id) or {}
+        instance = (status.get("instances") or {}).get(instance_id) or {}
         if instance.get("state") == InstanceState.READY:
-            ready.append(placement)
-    stored = stalls.flags_many(sorted({p.node.node_id for p in ready}), now)
-    for placement in ready:
-        found = stored[placement.node.node_id].get(placement.instance_id, CLEAR)
-        current = out[placement.model_id]
+            ready.append((model_id, node_id, instance_id))
+    stored = stalls.flags_many(sorted({node_id for _, node_id, _ in ready}), now)
+    out: dict[int, Flags] = {}
+    for model_id, node_id, instance_id in ready:
+        found = stored[node_id].get(instance_id)
+        if found is None:
+            continue
+        current = out.get(model_id, CLEAR)
         if found["stalled"] and not current["stalled"]:
-            out[placement.model_id] = Flags(
+            out[model_id] = Flags(
                 stalled=True,
                 slow=current["slow"],
-                reason=f"On {placement.node.node_id}: {found['reason']}",
+                reason=f"On {node_id}: {found['reason']}",
             )
         elif found["slow"] and not current["slow"]:
-            out[placement.model_id] = Flags(
+            out[model_id] = Flags(
                 stalled=current["stalled"],
                 slow=True,
-                reason=current["reason"] or f"On {placement.node.node_id}: {found['reason']}",
+                reason=current["reason"] or f"On {node_id}: {found['reason']}",
             )
     return out
 

@@ -12,7 +12,8 @@ The definitions are read once (a few columns), and only a ``state`` filter reads
 model's placements (one query, no list of ids: SQLite refuses an ``IN`` of thousands) and
 the statuses of their nodes (one ``read_many``); the page's models are then loaded whole
 with their placements (docs/decisions.md (Lists of a thousand nodes: all rows up to a
-cap)).
+cap)). :func:`restart_pending` answers the same question over the whole registry for
+the Overview's Needs attention, reading only what the check needs.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import paging
-from models_registry import services
+from models_registry import lifecycle, services
 from models_registry.models import ModelDefinition, Placement
 from nodes import status as node_status
 from nodes.models import Node
@@ -133,3 +134,50 @@ def select(wanted: ModelFilter, window: paging.Window) -> ModelPage:
             [m for m in ModelDefinition.objects.order_by("served_name") if m.pk in keep]
         )
     return ModelPage(models=models, count=count, total=total)
+
+
+def _instance(statuses: dict[str, NodeStatus], node_id: str, instance_id: str) -> dict[str, Any]:
+    """The instance as its node reported it, {} when it did not."""
+    return ((statuses.get(node_id) or {}).get("instances") or {}).get(instance_id) or {}
+
+
+def restart_pending(
+    replicas: dict[int, list[services.Replica]],
+    statuses: dict[str, NodeStatus],
+    nodes: dict[int, Node],
+) -> set[int]:
+    """The models whose restart is pending (``lifecycle.restart_pending`` on a replica),
+    over the registry's replicas (``services.all_replicas``) and the nodes' statuses.
+
+    Only a model with a running replica that reported its fingerprint is a candidate
+    (``lifecycle.may_be_pending``), and in a fleet that is every running one: they are
+    read in two queries of the columns the check needs (``lifecycle.RESTART_FIELDS``),
+    with no ``IN`` of thousands of ids (SQLite refuses one). ``nodes``: every node by
+    primary key, read already.
+    """
+    model_ids = {
+        model_id
+        for model_id, found in replicas.items()
+        for node_id, instance_id in found
+        if lifecycle.may_be_pending(_instance(statuses, node_id, instance_id))
+    }
+    if not model_ids:
+        return set()
+    definitions = ModelDefinition.objects.only(*lifecycle.RESTART_FIELDS).order_by()
+    placements = Placement.objects.only("id", "model_id", "node_id", "gpu_uuids", "gpu_budgets")
+    if len(model_ids) <= IN_MAX:
+        definitions = definitions.filter(pk__in=model_ids)
+        placements = placements.filter(model_id__in=model_ids)
+    models = {m.pk: m for m in definitions if m.pk in model_ids}
+    node_field = Placement._meta.get_field("node")
+    pending: set[int] = set()
+    for placement in placements.order_by("id"):
+        model = models.get(placement.model_id)
+        if model is None or model.pk in pending:
+            continue
+        node = nodes[placement.node_id]
+        node_field.set_cached_value(placement, node)  # no query for the node (its error text)
+        inst = _instance(statuses, node.node_id, placement.instance_id)
+        if inst and lifecycle.restart_pending(model, placement, inst):
+            pending.add(model.pk)
+    return pending

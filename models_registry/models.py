@@ -110,7 +110,12 @@ class Placement(models.Model):
     @property
     def instance_id(self) -> str:
         """The id the agent knows this replica by (stable across restarts)."""
-        return f"m{self.model_id}-p{self.pk}"
+        return self.instance_id_of(self.model_id, self.pk)
+
+    @staticmethod
+    def instance_id_of(model_id: int, pk: int) -> str:
+        """:attr:`instance_id` from the two columns (a list read with ``values_list``)."""
+        return f"m{model_id}-p{pk}"
 
 
 class MemorySample(models.Model):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from django.db import transaction
@@ -416,42 +416,58 @@ def get_model(model_id: int) -> ModelDefinition:
     return model
 
 
-def model_state(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[str, Any]:
-    """The model's state over all its replicas, from effective node statuses.
+# The best replica wins: a lower rank; any other state ranks after these.
+_RANK: dict[str, int] = {
+    InstanceState.READY: 0,
+    InstanceState.STARTING: 1,
+    InstanceState.FAILED: 2,
+    InstanceState.STOPPED: 3,
+}
+Replica = tuple[str, str]  # (node id, instance id)
+
+
+def replicas_state(replicas: Iterable[Replica], statuses: dict[str, NodeStatus]) -> dict[str, Any]:
+    """A model's state over its replicas, from effective node statuses (the one rule).
 
     ``statuses`` comes from ``nodes.status.read_many``: the best replica wins (Ready,
-    then Starting, Failed, Stopped); a replica whose node is not serving is Offline.
+    then Starting, Failed, Stopped); a replica whose node is not serving is Offline; a
+    model with no replica is Unplaced. Plain (node id, instance id) pairs, so the
+    Overview can judge the whole registry without loading a model or a placement.
     """
-    placements = list(model.placements.all())
-    if not placements:
-        return {"state": "Unplaced", "nodeId": None, "error": None}
     best: dict[str, Any] | None = None
-    order = {
-        InstanceState.READY: 0,
-        InstanceState.STARTING: 1,
-        InstanceState.FAILED: 2,
-        InstanceState.STOPPED: 3,
-    }
-    for placement in placements:
-        node_id = placement.node.node_id
+    best_rank = 10
+    for node_id, instance_id in replicas:
         status = statuses.get(node_id)
         if not node_status.is_serving(status):
-            candidate: dict[str, Any] = {"state": "Offline", "nodeId": node_id, "error": None}
+            state, error = "Offline", None
         else:
             assert status is not None
-            inst = (status.get("instances") or {}).get(placement.instance_id)
+            inst = (status.get("instances") or {}).get(instance_id)
             if inst is None:
-                candidate = {"state": "Stopped", "nodeId": node_id, "error": None}
+                state, error = "Stopped", None
             else:
-                candidate = {
-                    "state": inst.get("state", "Stopped"),
-                    "nodeId": node_id,
-                    "error": inst.get("error"),
-                }
-        if best is None or order.get(candidate["state"], 9) < order.get(best["state"], 9):
-            best = candidate
-    assert best is not None
-    return best
+                state, error = inst.get("state", "Stopped"), inst.get("error")
+        rank = _RANK.get(state, 9)
+        if best is None or rank < best_rank:
+            best, best_rank = {"state": state, "nodeId": node_id, "error": error}, rank
+    return best or {"state": "Unplaced", "nodeId": None, "error": None}
+
+
+def model_state(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> dict[str, Any]:
+    """The model's state over all its replicas (:func:`replicas_state`)."""
+    return replicas_state(
+        ((p.node.node_id, p.instance_id) for p in model.placements.all()), statuses
+    )
+
+
+def all_replicas() -> dict[int, list[Replica]]:
+    """Every model's replicas by model id, in placement order: one query of three columns
+    (no model or placement instances, no ``IN`` of ids), for a read of the whole registry."""
+    found: dict[int, list[Replica]] = {}
+    rows = Placement.objects.order_by("id").values_list("model_id", "id", "node__node_id")
+    for model_id, pk, node_id in rows:
+        found.setdefault(model_id, []).append((node_id, Placement.instance_id_of(model_id, pk)))
+    return found
 
 
 def model_summary(model: ModelDefinition, statuses: dict[str, NodeStatus]) -> ModelSummary:

@@ -338,7 +338,7 @@ class NodeWorker:
                 self.agent_fencing = data["fencing"]
                 self.status["fencing"] = self.agent_fencing
                 await self.recompute()
-            before = (self.status.get("operations"), self.status.get("downloads"))
+            carried = (self.status.get("operations"), self.status.get("downloads"))
             if "operations" in data:
                 self.status["operations"] = agent_operations(data)
             if "downloads" in data:
@@ -347,7 +347,7 @@ class NodeWorker:
                     for d in data["downloads"]
                     if isinstance(d, dict) and "folder" in d
                 }
-            if (self.status.get("operations"), self.status.get("downloads")) != before:
+            if (self.status.get("operations"), self.status.get("downloads")) != carried:
                 await self.save()
         elif name == "download" and "folder" in data:
             downloads = self.status.setdefault("downloads", {})

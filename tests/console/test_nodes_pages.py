@@ -252,7 +252,7 @@ def test_model_history_json(client: Client, viewer, status_redis) -> None:  # ty
 def test_an_operation_the_agent_keeps_open_is_listed_and_needs_attention(
     client: Client, status_redis
 ) -> None:
-    from nodes.monitor import _operations
+    from nodes.monitor_rows import agent_operations
 
     node = make_node("n1")
     long_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 300))
@@ -264,13 +264,13 @@ def test_an_operation_the_agent_keeps_open_is_listed_and_needs_attention(
             "junk",
         ]
     }
-    _status(node, operations=_operations(heartbeat))  # as the monitor stores them
+    _status(node, operations=agent_operations(heartbeat))  # as the monitor stores them
     row = client.get("/nodes/n1/row/").content.decode()
     assert "launch m1-p1 · 5 min ago" in row and re.search(r"stop m1-p2 · [2-4] s ago", row)
     attention = client.get("/overview/summary/").content.decode()
     assert "Agent operation launch of m1-p1 open, opened 5 min ago (op-1)" in attention
     assert "m1-p2" not in attention  # a moment old: normal work
-    assert _operations({"operations": "nope"}) == []
+    assert agent_operations({"operations": "nope"}) == []
 
 
 @pytest.mark.django_db
