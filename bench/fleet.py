@@ -255,11 +255,12 @@ class Fleet:
             "startsRefusedNodeOffline": self.refused_starts,
         }
 
-    def start_model(self, model_id: int) -> None:
-        """POST start; a node seen Offline for a moment (a flap) is retried and counted."""
+    def start_model(self, model_id: int, action: str = "start") -> None:
+        """POST start (or stop); a node seen Offline for a moment (a flap) is retried and
+        counted."""
         for _ in range(30):
             assert self.http is not None
-            answer = self.http.post(f"/api/models/{model_id}/start")
+            answer = self.http.post(f"/api/models/{model_id}/{action}")
             if answer.status_code < 300:
                 return
             if answer.status_code != 503 or "node_not_serving" not in answer.text:
@@ -332,7 +333,7 @@ class Fleet:
             replica = model["placements"][0]
             placed[model_id] = (replica["node"], replica["instanceId"])
         for model_id in chosen:
-            self.api("POST", f"/api/models/{model_id}/stop")
+            self.start_model(model_id, action="stop")
         _wait(
             lambda: all(
                 (self._instance(*placed[m]) or {}).get("state") == "Stopped" for m in chosen
@@ -343,7 +344,7 @@ class Fleet:
         # The starts go out from a thread while this one polls: a model that is Ready
         # while later starts are still being sent is seen at once, not after them.
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-        sending = pool.submit(lambda: [self.api("POST", f"/api/models/{m}/start") for m in chosen])
+        sending = pool.submit(lambda: [self.start_model(m) for m in chosen])
         seen: dict[int, float] = {}
         deadline = time.monotonic() + 120
         while len(seen) < len(chosen) and time.monotonic() < deadline:
@@ -357,7 +358,7 @@ class Fleet:
                 if record.get("state") == "Ready" and record.get("readyAt"):
                     seen[model_id] = now - _iso_epoch(record["readyAt"])
             time.sleep(0.02)
-        sending.result(timeout=60)
+        sending.result(timeout=600)
         pool.shutdown()
         lags = list(seen.values())
         return {
