@@ -105,9 +105,8 @@ def _wait(predicate: Any, timeout: float, what: str, interval: float = 0.5) -> f
 class Fleet:
     """The stack, its hollow workers and the nodes and models made so far."""
 
-    def __init__(self, *, run_dir: Path, quick: bool) -> None:
+    def __init__(self, *, run_dir: Path) -> None:
         self.run_dir = run_dir
-        self.quick = quick
         self.procs = _procs.Processes(run_dir / "logs")
         env = {
             "MIRBAD_ENROLL_PORT": str(_procs.free_port()),
@@ -591,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
     if database:
         os.environ["MIRBAD_DATABASE_URL"] = database[1]
     redis.Redis.from_url(os.environ["MIRBAD_REDIS_URL"]).flushdb()
-    fleet = Fleet(run_dir=run_dir, quick=args.quick)
+    fleet = Fleet(run_dir=run_dir)
     results: list[dict[str, Any]] = []
     code = 0
     try:

@@ -108,11 +108,6 @@ class RowPublisher:
         except Exception:  # a bookkeeping failure must not drop the node's connection
             log.exception("Node %s: recording a memory measurement failed", self.node_id)
 
-    async def flush(self) -> None:
-        """Wait until what is queued now is done (tests; a stopping monitor)."""
-        while self._task is not None and not self._task.done():
-            await asyncio.shield(self._task)
-
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
