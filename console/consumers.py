@@ -32,14 +32,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
+from redis.exceptions import RedisError
 
+from nodes import fanout
 from nodes.events import FLEET_GROUP, node_group
 from nodes.states import NodeState
 from protocol.names import NODE_ID_RE
+
+log = logging.getLogger("mirbad.console")
 
 SUBSCRIBE_MAX_BYTES = 64 * 1024
 SUBSCRIBE_MAX_IDS = 1000
@@ -146,6 +151,11 @@ class _PageConsumer(AsyncJsonWebsocketConsumer):
     async def console_event(self, message: dict[str, Any]) -> None:
         await self.send_json(message["event"])
 
+    async def console_batch(self, message: dict[str, Any]) -> None:
+        """Events sent together (nodes.events.publish_batch): each as if sent alone."""
+        for event in message["events"]:
+            await self.console_event({"type": "console.event", "event": event})
+
 
 class FleetConsumer(_PageConsumer):
     """``/ws/fleet/``: every node's and model's events, or those of what the page shows
@@ -202,6 +212,25 @@ class FleetConsumer(_PageConsumer):
 class NodeConsumer(_PageConsumer):
     """``/ws/nodes/<id>/``: one node's events (its page)."""
 
+    watching: str | None = None
+
     def page_groups(self) -> list[str] | None:
         node_id = self.scope["url_route"]["kwargs"].get("node_id", "")
         return [node_group(node_id)] if NODE_ID_RE.fullmatch(node_id) else None
+
+    async def connect(self) -> None:
+        await super().connect()
+        if getattr(self, "groups_joined", None):
+            # The monitor sends a node's page events only while a page watches it.
+            node_id = self.scope["url_route"]["kwargs"]["node_id"]
+            try:
+                await fanout.awatch(node_id, self.channel_name)
+                self.watching = node_id
+            except (RedisError, OSError):
+                log.warning("Node page %s: registering it with the monitor failed", node_id)
+
+    async def disconnect(self, code: int) -> None:
+        if self.watching is not None:
+            with contextlib.suppress(RedisError, OSError):
+                await fanout.aunwatch(self.watching, self.channel_name)
+        await super().disconnect(code)

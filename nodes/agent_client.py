@@ -372,11 +372,17 @@ class AsyncAgentClient:
             "GET", f"/logs/{path_segment(name)}", params=params, timeout=timeout
         )
 
-    async def events(self, *, read_timeout: float) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-        """Yield ``(event, data)`` from the SSE stream until it ends or goes silent."""
+    async def events(
+        self, *, read_timeout: float, telemetry: bool = False
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        """Yield ``(event, data)`` from the SSE stream until it ends or goes silent;
+        ``telemetry``: heartbeats carry the telemetry sample (feature ``events.telemetry``)."""
         timeout = httpx.Timeout(10.0, read=read_timeout)
+        params = {"telemetry": "1"} if telemetry else None
         try:
-            async with self._current().stream("GET", "/events", timeout=timeout) as response:
+            async with self._current().stream(
+                "GET", "/events", timeout=timeout, params=params
+            ) as response:
                 if response.status_code >= 400:
                     await response.aread()
                     check_answer(response)

@@ -154,9 +154,22 @@ def _groups(event: Event) -> list[str]:
 async def publish(event: Event) -> None:
     """Send ``event`` to the console pages that show it; their consumers forward it to
     the browser as JSON."""
-    message: dict[str, Any] = {"type": "console.event", "event": dict(event)}
     for group in _groups(event):
-        await _send(group, message, event["type"])
+        await publish_to(group, event)
+
+
+async def publish_to(group: str, event: Event) -> None:
+    """Send ``event`` to one of its groups only (nodes.fanout decides which)."""
+    message: dict[str, Any] = {"type": "console.event", "event": dict(event)}
+    await _send(group, message, event["type"])
+
+
+async def publish_batch(group: str, batch: list[Event]) -> None:
+    """Several events in one message: the consumers hand each on as if sent alone, in
+    order (nodes.fanout: the monitor's rows for ``fleet``, once a second)."""
+    if batch:
+        message = {"type": "console.batch", "events": [dict(e) for e in batch]}
+        await _send(group, message, f"batch of {len(batch)} events")
 
 
 def publish_after_commit(build: Callable[[], Event]) -> None:

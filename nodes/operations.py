@@ -360,6 +360,17 @@ def due(node_pk: int, *, now: dt.datetime | None = None) -> list[MasterOperation
     )
 
 
+def due_nodes(*, now: dt.datetime | None = None) -> set[str]:
+    """The nodes with an open operation no sender waits on any more (one query: the
+    monitor asks every 30 s for the whole fleet, not once per node)."""
+    moment = now or timezone.now()
+    return set(
+        MasterOperation.objects.filter(state=State.OPEN, sender_deadline__lte=moment)
+        .values_list("node__node_id", flat=True)
+        .distinct()
+    )
+
+
 def _parse_time(value: Any) -> dt.datetime | None:
     try:
         moment = dt.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
@@ -398,8 +409,8 @@ async def reconcile(
     """Close ``node``'s open operations from what its agent recorded; answers the counts
     (``succeeded``, ``failed``, ``never_reached``, ``still_open``, ``skipped``).
 
-    Called by the monitor after ``/status`` on every (re)connect and then every
-    :data:`nodes.monitor.RECONCILE_INTERVAL`. The ORM runs in sync_to_async's thread, the
+    Called by the monitor after ``/status`` on every (re)connect, and every
+    :data:`nodes.monitor.RECONCILE_INTERVAL` for the nodes :func:`due_nodes` names. The ORM runs in sync_to_async's thread, the
     agent is asked over the monitor's own async client. An agent that cannot be reached
     raises AgentUnreachable (the monitor's connection is lost anyway); any other refusal
     leaves the row open for a later pass.

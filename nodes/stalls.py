@@ -153,7 +153,8 @@ def flags(points: Sequence[InstancePoint], now: float) -> Flags:
 FLAGS_PREFIX = "mirbad:telemetry:flags:"
 # The record holds for one rate gap: a node that stopped reporting has no flags after it.
 FLAGS_TTL_SECONDS = int(RATE_MAX_GAP_SECONDS)
-_READBACK = math.ceil(WINDOW_SECONDS / INTERVAL_SECONDS) + 12  # room for reconnect samples
+# The points the rules read: the monitor keeps as many (telemetry.Recent).
+READBACK = math.ceil(WINDOW_SECONDS / INTERVAL_SECONDS) + 12  # room for reconnect samples
 
 
 def flags_key(node_id: str) -> str:
@@ -171,13 +172,17 @@ def node_flags(points: Sequence[Point], now: float) -> dict[str, Flags]:
     return out
 
 
-async def aupdate(node_id: str, now: float | None = None) -> dict[str, Flags]:
+async def aupdate(
+    node_id: str, now: float | None = None, *, points: Sequence[Point] | None = None
+) -> dict[str, Flags]:
     """Evaluate the node's engines after a sample and store the flagged ones (the monitor
-    calls it after ``telemetry.arecord``)."""
+    calls it after ``telemetry.arecord``). ``points``: the node's newest fine points, as
+    the monitor keeps them (``telemetry.Recent``); without them they are read back."""
     now = time.time() if now is None else now
     client = status_cache.async_client()
-    raws = await client.lrange(telemetry.fine_key(node_id), -_READBACK, -1)
-    points = [p for p in (telemetry.decode(r) for r in raws) if p is not None]
+    if points is None:
+        raws = await client.lrange(telemetry.fine_key(node_id), -READBACK, -1)
+        points = [p for p in (telemetry.decode(r) for r in raws) if p is not None]
     if points:  # stored times are rounded to 10 ms: the newest point is in its own window
         now = max(now, points[-1]["t"])
     found = node_flags(points, now)

@@ -34,13 +34,18 @@ class Catcher:
             await self.layer.group_discard(group, self.channel)
 
     async def drain(self, quiet: float = 0.5) -> list[dict[str, Any]]:
-        """Every message until none arrived for ``quiet`` seconds."""
+        """Every message until none arrived for ``quiet`` seconds; a ``console.batch``
+        as the events it holds, as the console's consumers hand them on."""
         got = []
         while True:
             try:
-                got.append(await asyncio.wait_for(self.layer.receive(self.channel), quiet))
+                message = await asyncio.wait_for(self.layer.receive(self.channel), quiet)
             except TimeoutError:
                 return got
+            if message.get("type") == "console.batch":
+                got += [{"type": "console.event", "event": e} for e in message["events"]]
+            else:
+                got.append(message)
 
 
 def kinds(messages: list[dict[str, Any]]) -> list[str]:

@@ -25,6 +25,7 @@ from agent._errors import (
     ERROR_HEADER,
     ApiError,
     ClientNotMaster,
+    InvalidRequest,
     MethodNotAllowed,
     NotFound,
     NotSupported,
@@ -83,6 +84,8 @@ FEATURES = [
     "runtime.llamacpp.process",
     "telemetry",
     "events",
+    # Heartbeats carry the /telemetry sample when the stream asks (?telemetry=1).
+    "events.telemetry",
     "gguf.inspect",
     "gpus.pinning",
     "instances.measured",
@@ -605,7 +608,12 @@ class AgentServer:
         return web.json_response(await list_images(self.runtime.container.docker))
 
     async def handle_events(self, request: web.Request) -> web.StreamResponse:
-        """Server-sent events: hello, then instance/health events and heartbeats."""
+        """Server-sent events: hello, then instance/health events and heartbeats.
+
+        ``?telemetry=1``: each heartbeat also carries the ``/telemetry`` sample, so the
+        master needs no request per node every 5 s (docs/agent-api.md).
+        """
+        with_telemetry = _events_telemetry(request)
         response = web.StreamResponse(
             headers={
                 "Content-Type": "text/event-stream",
@@ -625,7 +633,10 @@ class AgentServer:
                     async with asyncio.timeout(max(0.0, next_beat - loop.time())):
                         event = await subscription.get()
                 except TimeoutError:
-                    beat = _sse(self.bus.next_seq(), "heartbeat", self._heartbeat_data())
+                    data = self._heartbeat_data()
+                    if with_telemetry:
+                        data["telemetry"] = await self.telemetry.current()
+                    beat = _sse(self.bus.next_seq(), "heartbeat", data)
                     await response.write(beat)
                     next_beat += self._heartbeat
                     continue
@@ -633,6 +644,17 @@ class AgentServer:
                     break
                 await response.write(_sse(event.seq, event.type, event.data))
         return response
+
+
+def _events_telemetry(request: web.Request) -> bool:
+    """The events stream's one parameter, allow-listed: ``telemetry`` is ``0`` or ``1``."""
+    unknown = sorted(set(request.query) - {"telemetry"})
+    if unknown:
+        raise InvalidRequest(f"unknown query parameter {unknown[0][:40]!r}: only telemetry=0|1")
+    value = request.query.get("telemetry", "0")
+    if value not in ("0", "1"):
+        raise InvalidRequest("telemetry: 0 or 1")
+    return value == "1"
 
 
 def _sse(seq: int, event_type: str, data: dict[str, Any]) -> bytes:

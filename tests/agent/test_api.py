@@ -220,3 +220,26 @@ async def test_mutations_finish_when_the_client_hangs_up() -> None:
     with pytest.raises(asyncio.CancelledError):
         await handler
     await asyncio.wait_for(finished.wait(), 2)
+
+
+async def test_heartbeats_carry_the_telemetry_sample_when_asked(
+    running_agent: RunningAgent,
+) -> None:
+    """?telemetry=1: the master needs no /telemetry request per node every 5 s."""
+    url = running_agent.url("/agent/v1/events")
+    async with running_agent.session.get(url, params={"telemetry": "1"}) as resp:
+        assert resp.status == 200
+        _hello, beat = await read_events(resp, 2)
+        assert beat["event"] == "heartbeat"
+        sample = beat["data"]["telemetry"]
+        assert sample["memory"]["totalBytes"] > 0 and sample["engines"] == []
+    async with running_agent.session.get(url) as resp:
+        _hello, beat = await read_events(resp, 2)
+        assert "telemetry" not in beat["data"]  # not asked: as before
+    for query, says in (({"telemetry": "yes"}, "telemetry: 0 or 1"), ({"x": "1"}, "'x'")):
+        async with running_agent.session.get(url, params=query) as resp:
+            assert resp.status == 400
+            body = await resp.json()
+            assert body["error"]["code"] == "invalid_request" and says in body["error"]["message"]
+    async with running_agent.session.get(running_agent.url("/agent/v1/info")) as resp:
+        assert "events.telemetry" in (await resp.json())["features"]

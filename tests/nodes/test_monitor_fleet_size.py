@@ -15,7 +15,7 @@ import pytest
 import redis.exceptions
 from asgiref.sync import sync_to_async
 
-from nodes import monitor as monitor_module
+from nodes import monitor_worker as monitor_module
 from nodes import status_cache
 from nodes.monitor import Monitor, NodeWorker
 from tests.factories import make_node

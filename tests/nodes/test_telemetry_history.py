@@ -13,7 +13,7 @@ import redis
 from asgiref.sync import sync_to_async
 from channels.layers import get_channel_layer
 
-from nodes import events, monitor, status_cache, telemetry
+from nodes import events, monitor_worker, status_cache, telemetry
 from nodes.monitor import NodeWorker
 from nodes.telemetry import Point
 from tests.channels_catcher import Catcher, kinds
@@ -260,7 +260,7 @@ async def test_the_monitor_records_each_sample_and_tells_the_node_page_only(
 ) -> None:
     """A real agent's /telemetry, pulled by the worker: history grows, node.telemetry goes
     to node.<id> and not to the fleet."""
-    monkeypatch.setattr(monitor, "TELEMETRY_INTERVAL", 0.05)
+    monkeypatch.setattr(monitor_worker, "TELEMETRY_INTERVAL", 0.05)
     worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
     await worker.connect()
     async with Catcher(events.FLEET_GROUP) as fleet, Catcher(events.node_group("n1")) as page:
@@ -299,3 +299,53 @@ async def test_a_failed_record_keeps_the_connection(
     await worker.record_telemetry(sample())  # does not raise
     await worker.client.aclose()
     assert "recording its telemetry failed" in caplog.text
+
+
+async def _history_grows(worker: NodeWorker) -> None:
+    task = asyncio.create_task(worker.run())
+    try:
+        started = time.monotonic()
+        while len(await sync_to_async(telemetry.series)("n1", "1h")) < 2:
+            assert time.monotonic() - started < 10, "no history recorded"
+            await asyncio.sleep(0.05)
+    finally:
+        worker.stop.set()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("close_db_after", "status_redis", "history", "layer_pools")
+async def test_heartbeats_bring_the_samples_and_only_an_older_agent_is_polled(
+    enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent with events.telemetry sends its sample in each heartbeat: the worker makes
+    no /telemetry request. Without the feature the worker pulls, as before."""
+    from agent.http import _server
+
+    monkeypatch.setattr(monitor_worker, "TELEMETRY_INTERVAL", 0.05)
+    pulls = 0
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    pull = worker.client.telemetry
+
+    async def counted() -> dict[str, Any]:
+        nonlocal pulls
+        pulls += 1
+        return await pull()
+
+    monkeypatch.setattr(worker.client, "telemetry", counted)
+    await _history_grows(worker)
+    assert worker.telemetry_pushed and pulls == 0
+    assert (await status_cache.aread("n1") or {}).get("telemetry", {}).get("memory")
+    await worker.client.aclose()
+
+    await sync_to_async(status_cache.sync_client().delete)(telemetry.fine_key("n1"))
+    monkeypatch.setattr(
+        _server, "FEATURES", [f for f in _server.FEATURES if f != "events.telemetry"]
+    )
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
+    pull = worker.client.telemetry
+    monkeypatch.setattr(worker.client, "telemetry", counted)
+    await _history_grows(worker)
+    assert not worker.telemetry_pushed and pulls >= 2
+    await worker.client.aclose()
