@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal, TypedDict
 
 from asgiref.sync import async_to_sync
@@ -164,7 +164,7 @@ async def publish_to(group: str, event: Event) -> None:
     await _send(group, message, event["type"])
 
 
-async def publish_batch(group: str, batch: list[Event]) -> None:
+async def publish_batch(group: str, batch: Sequence[Event]) -> None:
     """Several events in one message: the consumers hand each on as if sent alone, in
     order (nodes.fanout: the monitor's rows for ``fleet``, once a second)."""
     if batch:

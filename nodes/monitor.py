@@ -40,6 +40,10 @@ HEARTBEAT_STALE_AFTER = 15.0
 # then this often: a lost answer leaves one open while the monitor's own connection
 # to the node never dropped (docs/decisions.md D77).
 RECONCILE_INTERVAL = 30.0
+# The node list is read whole this often, as a backstop: every registry change reaches
+# the monitor as a notification at once (D46), and the read of 1,000 nodes every 5 s
+# was a query that grew with the fleet for nothing.
+FULL_REFRESH_SECONDS = 30.0
 # Workers (re)connecting at once: the TLS handshake, /info and /status of each.
 CONNECT_CONCURRENCY = 32
 
@@ -55,8 +59,18 @@ def heartbeat_age(now: float | None = None) -> float | None:
 class Monitor:
     """Keeps one :class:`NodeWorker` per approved, enrolled node."""
 
-    def __init__(self, *, refresh_interval: float = 5.0, max_nodes: int = 1000) -> None:
+    def __init__(
+        self,
+        *,
+        refresh_interval: float = 5.0,
+        full_refresh_interval: float = FULL_REFRESH_SECONDS,
+        max_nodes: int = 1000,
+    ) -> None:
+        """Every ``refresh_interval`` the loop writes its heartbeat; the node list is read
+        whole every ``full_refresh_interval`` (changes arrive as notifications)."""
         self.refresh_interval = refresh_interval
+        self.full_refresh_interval = full_refresh_interval
+        self.refreshed_at: float | None = None  # time.monotonic() of the last full read
         self.max_nodes = max_nodes
         self.stop = asyncio.Event()
         self.workers: dict[str, tuple[NodeWorker, asyncio.Task[None]]] = {}
@@ -202,10 +216,15 @@ class Monitor:
         listener = asyncio.create_task(self.listen(), name="monitor-notifications")
         try:
             while not self.stop.is_set():
-                try:
-                    await self.refresh()
-                except Exception:
-                    log.exception("Monitor: refreshing the node list failed")
+                if (
+                    self.refreshed_at is None
+                    or time.monotonic() - self.refreshed_at >= self.full_refresh_interval
+                ):
+                    self.refreshed_at = time.monotonic()
+                    try:
+                        await self.refresh()
+                    except Exception:
+                        log.exception("Monitor: refreshing the node list failed")
                 if time.monotonic() - self.reconciled_at >= RECONCILE_INTERVAL:
                     await self.reconcile_due()
                 try:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
 import redis
+import redis.asyncio as aioredis
 
 from nodes import status_cache, telemetry
 from nodes.telemetry import INTERVAL_SECONDS, RATE_MAX_GAP_SECONDS, EnginePoint, Point
@@ -172,23 +173,32 @@ def node_flags(points: Sequence[Point], now: float) -> dict[str, Flags]:
     return out
 
 
+def stage(
+    node_id: str, points: Sequence[Point], now: float, pipe: aioredis.client.Pipeline
+) -> dict[str, Flags]:
+    """Evaluate the node's engines over ``points`` (its newest fine points) and queue the
+    record of the flagged ones on ``pipe``."""
+    if points:  # stored times are rounded to 10 ms: the newest point is in its own window
+        now = max(now, points[-1]["t"])
+    found = node_flags(points, now)
+    pipe.set(flags_key(node_id), json.dumps({"t": now, "flags": found}), ex=FLAGS_TTL_SECONDS)
+    return found
+
+
 async def aupdate(
     node_id: str, now: float | None = None, *, points: Sequence[Point] | None = None
 ) -> dict[str, Flags]:
-    """Evaluate the node's engines after a sample and store the flagged ones (the monitor
-    calls it after ``telemetry.arecord``). ``points``: the node's newest fine points, as
-    the monitor keeps them (``telemetry.Recent``); without them they are read back."""
+    """Evaluate the node's engines after a sample and store the flagged ones (tests and
+    tools; the monitor queues :func:`stage` in its sample's transaction). ``points``: the
+    node's newest fine points; without them they are read back."""
     now = time.time() if now is None else now
     client = status_cache.async_client()
     if points is None:
         raws = await client.lrange(telemetry.fine_key(node_id), -READBACK, -1)
         points = [p for p in (telemetry.decode(r) for r in raws) if p is not None]
-    if points:  # stored times are rounded to 10 ms: the newest point is in its own window
-        now = max(now, points[-1]["t"])
-    found = node_flags(points, now)
-    await client.set(
-        flags_key(node_id), json.dumps({"t": now, "flags": found}), ex=FLAGS_TTL_SECONDS
-    )
+    async with client.pipeline(transaction=False) as pipe:
+        found = stage(node_id, points, now, pipe)
+        await pipe.execute()
     return found
 
 

@@ -43,6 +43,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, TypedDict, cast
 
 import redis
+import redis.asyncio as aioredis
 
 from nodes import status_cache
 from protocol.names import INSTANCE_ID_RE
@@ -489,6 +490,52 @@ class Recent:
         self.loaded = False
 
 
+async def aload(node_id: str, recent: Recent) -> None:
+    """Read the node's last fine points and last coarse point into ``recent`` (once)."""
+    if recent.loaded:
+        return
+    async with status_cache.async_client().pipeline(transaction=False) as pipe:
+        pipe.lrange(fine_key(node_id), -recent.size, -1)
+        pipe.lindex(coarse_key(node_id), -1)
+        recent_raw, last_coarse_raw = await pipe.execute()
+    last_coarse = decode(last_coarse_raw)
+    recent.points.clear()
+    recent.points.extend(p for p in (decode(r) for r in recent_raw) if p is not None)
+    recent.coarse_t = None if last_coarse is None else last_coarse["t"]
+    recent.loaded = True
+
+
+def stage(
+    node_id: str, sample: object, now: float, recent: Recent, pipe: aioredis.client.Pipeline
+) -> Point:
+    """Queue one sample's writes on ``pipe`` (a transaction) and return its point:
+    append it, rewrite the current minute, trim and renew the expiries. ``recent`` (loaded)
+    takes the point as stored at once; a transaction that then fails leaves it one point
+    ahead of Redis, which only the rates of the next sample read."""
+    fine, coarse = fine_key(node_id), coarse_key(node_id)
+    previous = recent.points[-1] if recent.points else None
+    point = point_from_sample(sample, previous, now)
+    minute = _minute(now)
+    this_minute = [p for p in recent.points if _minute(p["t"]) == minute and p["t"] <= now]
+    summary = downsample([*this_minute, point])
+    encoded = encode(point)
+    pipe.rpush(fine, encoded)
+    pipe.ltrim(fine, -FINE_POINTS, -1)
+    pipe.expire(fine, FINE_TTL_SECONDS)
+    if recent.coarse_t == minute:
+        pipe.lset(coarse, -1, encode(summary, counters=False))
+    else:
+        pipe.rpush(coarse, encode(summary, counters=False))
+        pipe.ltrim(coarse, -COARSE_POINTS, -1)
+    pipe.expire(coarse, COARSE_TTL_SECONDS)
+    # Kept as stored: the points read back are rounded by encode(), and the rules read
+    # the same values whether a worker is new or not.
+    stored = decode(encoded)
+    recent.points.append(stored if stored is not None else point)
+    recent.coarse_t = minute
+    return point
+
+
 async def arecord(
     node_id: str, sample: object, now: float | None = None, *, recent: Recent | None = None
 ) -> Point:
@@ -496,45 +543,14 @@ async def arecord(
 
     Without ``recent`` (or before it is loaded) one round trip reads the last fine points
     (the previous one for the rates, this minute's for the coarse point) and the last
-    coarse point; with it, nothing is read. One transaction appends, rewrites the
-    current minute, trims and renews the expiries.
+    coarse point; with it, nothing is read. One transaction writes (:func:`stage`).
     """
     now = time.time() if now is None else now
-    client = status_cache.async_client()
-    fine, coarse = fine_key(node_id), coarse_key(node_id)
-    if recent is None or not recent.loaded:
-        recent = recent if recent is not None else Recent(_MINUTE_READBACK)
-        async with client.pipeline(transaction=False) as pipe:
-            pipe.lrange(fine, -recent.size, -1)
-            pipe.lindex(coarse, -1)
-            recent_raw, last_coarse_raw = await pipe.execute()
-        last_coarse = decode(last_coarse_raw)
-        recent.points.clear()
-        recent.points.extend(p for p in (decode(r) for r in recent_raw) if p is not None)
-        recent.coarse_t = None if last_coarse is None else last_coarse["t"]
-        recent.loaded = True
-    previous = recent.points[-1] if recent.points else None
-    point = point_from_sample(sample, previous, now)
-    minute = _minute(now)
-    this_minute = [p for p in recent.points if _minute(p["t"]) == minute and p["t"] <= now]
-    summary = downsample([*this_minute, point])
-    encoded = encode(point)
-    async with client.pipeline(transaction=True) as pipe:
-        pipe.rpush(fine, encoded)
-        pipe.ltrim(fine, -FINE_POINTS, -1)
-        pipe.expire(fine, FINE_TTL_SECONDS)
-        if recent.coarse_t == minute:
-            pipe.lset(coarse, -1, encode(summary, counters=False))
-        else:
-            pipe.rpush(coarse, encode(summary, counters=False))
-            pipe.ltrim(coarse, -COARSE_POINTS, -1)
-        pipe.expire(coarse, COARSE_TTL_SECONDS)
+    recent = recent if recent is not None else Recent(_MINUTE_READBACK)
+    await aload(node_id, recent)
+    async with status_cache.async_client().pipeline(transaction=True) as pipe:
+        point = stage(node_id, sample, now, recent, pipe)
         await pipe.execute()
-    # Kept as stored: the points read back are rounded by encode(), and the rules read
-    # the same values whether a worker is new or not.
-    stored = decode(encoded)
-    recent.points.append(stored if stored is not None else point)
-    recent.coarse_t = minute
     return point
 
 

@@ -100,11 +100,92 @@ def _status(serializer: serializers.Serializer, node: Node) -> status_cache.Node
     return statuses.get(node.node_id) or {}
 
 
+def _maintenance(node: Node) -> dict[str, Any] | None:
+    left = node.maintenance_left()
+    if not left or node.maintenance_until is None:
+        return None
+    return {
+        "until": node.maintenance_until.isoformat().replace("+00:00", "Z"),
+        "secondsLeft": int(left),
+        "reason": node.maintenance_reason,
+    }
+
+
+def _rotation(node: Node) -> dict[str, Any] | None:
+    """The open rotation of the node's certificate, if one is under way."""
+    prefetched = getattr(node, "open_rotations", None)  # the list prefetches them
+    if prefetched is not None:
+        open_rotation = prefetched[0] if prefetched else None
+    else:
+        open_rotation = node.rotations.filter(open=True).first()
+    return RotationSerializer(open_rotation).data if open_rotation is not None else None
+
+
+def _gpu_reserves(node: Node) -> dict[str, Any]:
+    reported = {
+        g["uuid"]: node.gpu_reserve(g["uuid"])
+        for g in (node.facts or {}).get("gpus") or []
+        if isinstance(g, dict) and isinstance(g.get("uuid"), str)
+    }
+    return reported | dict(node.gpu_reserves or {})
+
+
+def _iso(value: Any) -> str | None:
+    return None if value is None else str(value.isoformat())
+
+
+def node_representation(node: Node, status: status_cache.NodeStatus) -> dict[str, Any]:
+    """One node as ``NodeSerializer`` declares it, built directly.
+
+    DRF's generic path (a field object, ``get_attribute`` and ``to_representation`` per
+    field, per node) cost about a third of ``GET /api/nodes`` at 1,000 nodes (issue 19);
+    this writes the same keys in the same order with the same values, which
+    tests/nodes/test_node_representation.py checks against DRF's own rendering of the
+    declared fields.
+    """
+    source = status_cache.source(status)
+    return {
+        "nodeId": str(node.node_id),
+        "displayName": str(node.display_name),
+        "address": str(node.address),
+        "approved": bool(node.approved),
+        "revoked": bool(node.revoked),
+        "draining": bool(node.draining),
+        "maintenance": _maintenance(node),
+        "bootstrap": bool(node.is_bootstrap),
+        "enrolled": bool(node.enrolled),
+        "state": status.get("state", "Offline"),
+        "fingerprint": f"SHA256:{node.spki_pin}" if node.spki_pin else None,
+        "reasons": status.get("reasons", []),
+        "lastSeen": status.get("lastSeen"),
+        "lastError": status.get("lastError", ""),
+        "fencing": status.get("fencing"),
+        "bootId": status.get("bootId"),
+        "agentVersion": str(node.agent_version),
+        "os": str(node.os),
+        "arch": str(node.arch),
+        "memoryTotalBytes": (
+            None if node.memory_total_bytes is None else int(node.memory_total_bytes)
+        ),
+        "memoryReserveBytes": int(node.memory_reserve_bytes),
+        "gpuReserves": _gpu_reserves(node),
+        "facts": node.facts,
+        "certificateNotAfter": _iso(node.cert_not_after),
+        "rotation": _rotation(node),
+        "telemetry": status.get("telemetry") or {},
+        "instances": list((status.get("instances") or {}).values()),
+        "statusSource": source,
+        "stale": source != status_cache.LIVE,
+        "statusAsOf": status.get("statusAsOf"),
+    }
+
+
 class NodeSerializer(serializers.Serializer):
     """A node: its registry fields and the live state from the status cache.
 
     The view passes ``context={"statuses": {node_id: status}}``, each from
-    ``nodes.status`` (the effective status: registry, record, the 15 s rule).
+    ``nodes.status`` (the effective status: registry, record, the 15 s rule). The
+    declared fields are the schema; :func:`node_representation` writes them.
     """
 
     nodeId = serializers.CharField(source="node_id")
@@ -140,26 +221,16 @@ class NodeSerializer(serializers.Serializer):
     stale = serializers.SerializerMethodField()
     statusAsOf = serializers.SerializerMethodField()
 
+    def to_representation(self, instance: Node) -> dict[str, Any]:
+        return node_representation(instance, _status(self, instance))
+
     @extend_schema_field(MaintenanceHoldSerializer(allow_null=True))
     def get_maintenance(self, node: Node) -> dict[str, Any] | None:
-        left = node.maintenance_left()
-        if not left or node.maintenance_until is None:
-            return None
-        return {
-            "until": node.maintenance_until.isoformat().replace("+00:00", "Z"),
-            "secondsLeft": int(left),
-            "reason": node.maintenance_reason,
-        }
+        return _maintenance(node)
 
     @extend_schema_field(RotationSerializer(allow_null=True))
     def get_rotation(self, node: Node) -> dict[str, Any] | None:
-        """The open rotation of the node's certificate, if one is under way."""
-        prefetched = getattr(node, "open_rotations", None)  # the list prefetches them
-        if prefetched is not None:
-            open_rotation = prefetched[0] if prefetched else None
-        else:
-            open_rotation = node.rotations.filter(open=True).first()
-        return RotationSerializer(open_rotation).data if open_rotation is not None else None
+        return _rotation(node)
 
     @extend_schema_field(OpenApiTypes.STR)
     def get_state(self, node: Node) -> Any:
@@ -193,12 +264,7 @@ class NodeSerializer(serializers.Serializer):
 
     @extend_schema_field({"type": "object", "additionalProperties": {"type": "integer"}})
     def get_gpuReserves(self, node: Node) -> dict[str, Any]:
-        reported = {
-            g["uuid"]: node.gpu_reserve(g["uuid"])
-            for g in (node.facts or {}).get("gpus") or []
-            if isinstance(g, dict) and isinstance(g.get("uuid"), str)
-        }
-        return reported | dict(node.gpu_reserves or {})
+        return _gpu_reserves(node)
 
     @extend_schema_field(OpenApiTypes.OBJECT)
     def get_telemetry(self, node: Node) -> Any:

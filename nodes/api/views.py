@@ -36,6 +36,7 @@ from nodes.api.serializers import (
     RotationSerializer,
     TakeoverSerializer,
     TokenSerializer,
+    node_representation,
 )
 from nodes.models import Node
 
@@ -121,10 +122,10 @@ class NodeViewSet(viewsets.GenericViewSet):
         window = paging.window(request.query_params)
         found = listing.select(wanted, window)
         stale, as_of = status_cache.oldest_as_of(found.statuses)
-        listed = NodeSerializer(found.nodes, many=True, context={"statuses": found.statuses})
+        listed = [node_representation(n, found.statuses.get(n.node_id) or {}) for n in found.nodes]
         return Response(
             {
-                "nodes": listed.data,
+                "nodes": listed,
                 "stale": stale,
                 "statusAsOf": as_of,
                 "count": found.count,

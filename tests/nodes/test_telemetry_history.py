@@ -291,14 +291,20 @@ async def test_the_monitor_records_each_sample_and_tells_the_node_page_only(
 async def test_a_failed_record_keeps_the_connection(
     enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def broken(*args: object, **kwargs: object) -> Point:
-        raise redis.ConnectionError("gone")
+    """A sample the history cannot take (a bug, an odd agent) is logged; the node's record
+    in the same transaction is still written."""
 
-    monkeypatch.setattr(telemetry, "arecord", broken)
+    def broken(*args: object, **kwargs: object) -> Point:
+        raise ValueError("odd sample")
+
+    monkeypatch.setattr(telemetry, "stage", broken)
     worker = NodeWorker(node=enrolled.node, stop=asyncio.Event())
-    await worker.record_telemetry(sample())  # does not raise
+    worker.status["telemetry"] = sample()
+    await worker.take_telemetry(sample())  # does not raise
     await worker.client.aclose()
     assert "recording its telemetry failed" in caplog.text
+    written = await status_cache.aread("n1")
+    assert written is not None and written["telemetry"]["memory"]["totalBytes"] == 16 * GIB
 
 
 async def _history_grows(worker: NodeWorker) -> None:
