@@ -131,7 +131,8 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["mirbad_site.api_auth.IsOperator"],
-    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    # DRF's JSON, encoded by orjson (core/api_renderers.py)
+    "DEFAULT_RENDERER_CLASSES": ["core.api_renderers.FastJSONRenderer"],
     "DEFAULT_PARSER_CLASSES": [
         "core.api_parsers.JSONParser",  # 400, not 500, for deep nesting and surrogates
         "rest_framework.parsers.FormParser",

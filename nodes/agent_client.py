@@ -12,13 +12,13 @@ the agent parses (and refuses), never a query or another path.
 
 from __future__ import annotations
 
-import json
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import quote
 
 import httpx
+import orjson
 from django.conf import settings
 
 from core.errors import ServiceError
@@ -286,6 +286,32 @@ class AgentClient:
         return self._mutate("reclaim", "DELETE", f"/model-folders/{path_segment(folder)}", folder)
 
 
+# An event stream's event is a few kilobytes (a heartbeat with its telemetry sample);
+# an agent that sends a megabyte without an end is refused, not buffered for ever.
+EVENT_MAX_BYTES = 2**20
+
+
+def parse_event(block: bytes) -> tuple[str, dict[str, Any]] | None:
+    """One server-sent event (its lines, without the blank line that ends it): its type
+    and its data as an object ({} for data that is not a JSON object), or None without
+    data. Read from bytes, decoded with orjson: the monitor reads one per node every
+    5 s, and httpx's line iterator and ``json`` were a seventh of its CPU at 300 nodes."""
+    event = "message"
+    data: list[bytes] = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            data.append(line[5:].lstrip())
+        elif line.startswith(b"event:"):
+            event = line[6:].strip().decode(errors="replace")
+    if not data:
+        return None
+    try:
+        payload = orjson.loads(b"\n".join(data))
+    except orjson.JSONDecodeError:
+        payload = {}
+    return event, payload if isinstance(payload, dict) else {}
+
+
 class AsyncAgentClient:
     """Async client for the monitor (snapshots, telemetry, the event stream) and the
     console's log panel (logs)."""
@@ -386,22 +412,18 @@ class AsyncAgentClient:
                 if response.status_code >= 400:
                     await response.aread()
                     check_answer(response)
-                event = "message"
-                data_lines: list[str] = []
-                async for line in response.aiter_lines():
-                    if line == "":
-                        if data_lines:
-                            try:
-                                payload = json.loads("\n".join(data_lines))
-                            except ValueError:
-                                payload = {}
-                            yield event, payload
-                        event, data_lines = "message", []
-                    elif line.startswith(":"):
-                        continue
-                    elif line.startswith("event:"):
-                        event = line[6:].strip()
-                    elif line.startswith("data:"):
-                        data_lines.append(line[5:].lstrip())
+                buffer = b""
+                async for chunk in response.aiter_bytes():
+                    buffer += chunk.replace(b"\r\n", b"\n")
+                    *blocks, buffer = buffer.split(b"\n\n")
+                    if len(buffer) > EVENT_MAX_BYTES:
+                        raise AgentError(
+                            f"node {self.node.node_id}: an event over "
+                            f"{EVENT_MAX_BYTES // 2**20} MiB on its event stream"
+                        )
+                    for block in blocks:
+                        parsed = parse_event(block)
+                        if parsed is not None:
+                            yield parsed
         except httpx.HTTPError as exc:
             raise AgentUnreachable(f"node {self.node.node_id}: {_describe(exc)}") from exc
