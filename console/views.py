@@ -61,7 +61,7 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
     and node is read in a fixed number of queries, none with a list of every id
     (models_registry.listing.with_placements).
     """
-    nodes = list(Node.objects.order_by("node_id"))
+    nodes = list(Node.objects.order_by("node_id").only(*node_views.ROW_FIELDS))
     listing.attach_open_rotations(nodes)
     statuses = node_status.read_many(nodes)
     model_counts, model_rows, flags = _models(statuses, nodes)
@@ -80,11 +80,11 @@ def _fleet(*, table: bool = True) -> dict[str, Any]:
         for node_id, status in sorted(statuses.items())
         for d in ((status or {}).get("downloads") or {}).values()
     ]
-    points = telemetry.latest_many([n.node_id for n in nodes])
+    sums = telemetry.engine_sums([n.node_id for n in nodes], ("genTps", "waiting"))
     stale, as_of = status_cache.oldest_as_of(statuses)
     states = [node_status.state_of(statuses[n.node_id]) for n in nodes]
     return {
-        "tiles": _tiles(states, model_counts, points),
+        "tiles": _tiles(states, model_counts, sums),
         "attention": _attention(
             [rows[n.node_id] for n in row_nodes],
             model_rows,
@@ -106,13 +106,16 @@ def _models(
     """The models tile's counts, the models that have a Needs attention line (by served
     name), and the flagged ones.
 
-    The whole registry is read as plain values, two queries of a few columns: each
-    model's state over its replicas (``services.replicas_state``) and its stalled and
-    slow flags (``kpis.replica_flags``) come from them and the statuses read once; only
-    the restart-pending check loads models (``listing.restart_pending``), with the
-    columns it needs. Rows are built for the models that have a line, no others.
+    The whole registry is read as plain values, two queries: the definitions' ids and
+    names, and every placement with the columns its restart-pending check needs
+    (``listing.read_registry``). Each model's state over its replicas
+    (``services.replicas_state``), its stalled and slow flags (``kpis.replica_flags``)
+    and its restart-pending check (``listing.restart_pending``, memoized) come from them
+    and the statuses read once. Rows are built for the models that have a line only.
     """
-    replicas = model_services.all_replicas()
+    by_pk = {n.pk: n for n in nodes}
+    registry = model_listing.read_registry(by_pk)
+    replicas = registry.replicas
     flags = kpis.replica_flags(
         (
             (model_id, node_id, iid)
@@ -121,7 +124,7 @@ def _models(
         ),
         statuses,
     )
-    pending = model_listing.restart_pending(replicas, statuses, {n.pk: n for n in nodes})
+    pending = model_listing.restart_pending(registry, statuses, by_pk)
     ready = placed = total = 0
     rows: list[dict[str, Any]] = []
     for model_id, served_name in ModelDefinition.objects.values_list("pk", "served_name"):
@@ -160,25 +163,18 @@ def overview_summary(request: HttpRequest) -> HttpResponse:
     return render(request, "console/overview_summary.html", _fleet(table=False))
 
 
-def _sum(values: list[float | None]) -> float | None:
-    """The sum of the known values; None when none is known (a tile shows a dash, not 0)."""
-    known = [v for v in values if isinstance(v, int | float)]
-    return sum(known) if known else None
-
-
 def _tiles(
-    node_states: list[str],
-    model_counts: dict[str, int],
-    points: dict[str, telemetry.Point | None],
+    node_states: list[str], model_counts: dict[str, int], sums: dict[str, float | None]
 ) -> dict[str, Any]:
-    engines = [e for p in points.values() if p for e in p.get("engines", {}).values()]
+    """Nodes by state, the models' counts, and the fleet's tokens per second and queue
+    (the sums over every engine of the current telemetry; None, a dash, when none is known)."""
     return {
         "nodes_by_state": sorted(Counter(node_states).items()),
         "nodes_total": len(node_states),
         **model_counts,
         "requests_per_minute": recent_requests.last_minute(),
-        "tokens_per_second": _sum([e.get("genTps") for e in engines]),
-        "queue_depth": _sum([e.get("waiting") for e in engines]),
+        "tokens_per_second": sums["genTps"],
+        "queue_depth": sums["waiting"],
     }
 
 
@@ -208,7 +204,7 @@ def _attention(
     for n in node_rows:
         if n["revoked"]:
             continue
-        url = reverse("node", args=[n["node_id"]])
+        url = n["url"]  # its node page (an Offline fleet has a line per node)
         if n["state"] in ("Offline", "Degraded", "Incompatible", "PendingTakeover"):
             detail = "; ".join(
                 f"{r.get('code')}: {r.get('message', '')}".rstrip(": ") for r in n["reason_details"]

@@ -70,13 +70,19 @@ def replica_flags(
     one MGET of the stored flags of those replicas' nodes, each node read once and shared
     by every model placed on it."""
     now = time.time() if now is None else now
+    # Each serving node's instances, looked up once per node (the Overview passes every
+    # replica of the registry).
+    serving = {
+        node_id: status.get("instances") or {}
+        for node_id, status in statuses.items()
+        if node_status.is_serving(status)
+    }
     ready: list[tuple[int, str, str]] = []
     for model_id, node_id, instance_id in replicas:
-        status = statuses.get(node_id)
-        if not node_status.is_serving(status):
+        instances = serving.get(node_id)
+        if instances is None:
             continue
-        assert status is not None
-        instance = (status.get("instances") or {}).get(instance_id) or {}
+        instance = instances.get(instance_id) or {}
         if instance.get("state") == InstanceState.READY:
             ready.append((model_id, node_id, instance_id))
     stored = stalls.flags_many(sorted({node_id for _, node_id, _ in ready}), now)

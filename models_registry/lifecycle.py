@@ -51,19 +51,6 @@ VLLM_SHM_BYTES = 16 * 2**30
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vllm"}
 
 
-# The definition's columns :func:`restart_pending` reads (the argv's and the version's): a
-# list that checks thousands of models loads only these (one more read here, add it there).
-RESTART_FIELDS = (
-    "id",
-    "served_name",
-    "runtime",
-    "settings",
-    "delivery",
-    "image",
-    "executable_version",
-)
-
-
 def _argv(model: ModelDefinition, placement: Placement) -> list[str]:
     """The one argv of a placement: the runtime's builder, nowhere else."""
     if model.runtime == "vllm":
@@ -133,17 +120,34 @@ def restart_pending(model: ModelDefinition, placement: Placement, instance: dict
     """
     if not instance or not may_be_pending(instance):
         return False
-    running_version = str((instance.get("executable") or {}).get("version") or "")
+    expected = expected_fingerprint(model, placement, running_version(instance))
+    return expected != instance["fingerprint"]
+
+
+def running_version(instance: dict) -> str:
+    """The executable version the node reports the instance running ("" when none)."""
+    return str((instance.get("executable") or {}).get("version") or "")
+
+
+def expected_fingerprint(
+    model: ModelDefinition, placement: Placement, resolved_version: str
+) -> str | None:
+    """The fingerprint a start of ``placement`` now would report; None when the saved
+    settings are refused now (what runs matches no startable definition: pending).
+
+    A pure function of the definition's served name, runtime, settings, delivery, image
+    and executable version, the placement's GPUs and budgets, and ``resolved_version``
+    (the running one: models_registry.listing memoizes it on exactly these).
+    """
     try:
         argv = _argv(model, placement)
     except ServiceError:
-        return True  # saved settings now refused: what runs matches no startable definition
+        return None
     if model.delivery == ModelDefinition.Delivery.CONTAINER:
         version = model.image
     else:
-        version = model.executable_version or running_version
-    expected = llamacpp.execution_fingerprint(argv=argv, executable_version=version, env_names=[])
-    return expected != instance["fingerprint"]
+        version = model.executable_version or resolved_version
+    return llamacpp.execution_fingerprint(argv=argv, executable_version=version, env_names=[])
 
 
 # -- refusals ---------------------------------------------------------------------------

@@ -12,15 +12,20 @@ The definitions are read once (a few columns), and only a ``state`` filter reads
 model's placements (one query, no list of ids: SQLite refuses an ``IN`` of thousands) and
 the statuses of their nodes (one ``read_many``); the page's models are then loaded whole
 with their placements (docs/decisions.md (Lists of a thousand nodes: all rows up to a
-cap)). :func:`restart_pending` answers the same question over the whole registry for
-the Overview's Needs attention, reading only what the check needs.
+cap)). :func:`read_registry` reads every placement once for the Overview, and
+:func:`restart_pending` answers the restart-pending question over it for Needs attention,
+memoizing each placement's expected fingerprint on exactly what it depends on.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+from django.db.models import TextField
+from django.db.models.functions import Cast
 
 from core import paging
 from models_registry import lifecycle, services
@@ -141,43 +146,126 @@ def _instance(statuses: dict[str, NodeStatus], node_id: str, instance_id: str) -
     return ((statuses.get(node_id) or {}).get("instances") or {}).get(instance_id) or {}
 
 
+class RestartInputs(NamedTuple):
+    """What a placement's expected fingerprint depends on (``lifecycle.expected_fingerprint``),
+    as the database holds it (JSON as its text): the memo's key."""
+
+    served_name: str
+    runtime: str
+    settings: str
+    delivery: str
+    image: str
+    executable_version: str
+    gpu_uuids: str
+    gpu_budgets: str
+    resolved_version: str  # the version the node reports running
+
+
+def _text(column: str) -> Cast:
+    return Cast(column, output_field=TextField())
+
+
+# RestartInputs' columns but the last, in its order (the model's through the join).
+_INPUT_COLUMNS = (
+    "model__served_name",
+    "model__runtime",
+    _text("model__settings"),
+    "model__delivery",
+    "model__image",
+    "model__executable_version",
+    _text("gpu_uuids"),
+    _text("gpu_budgets"),
+)
+# Expected fingerprints by their inputs (None: settings refused now). Keyed by every input,
+# so no save path can leave one stale; a new process (a code change) starts empty. Emptied
+# when full: a registry past this many placements computes again, as before.
+_FINGERPRINTS: dict[tuple[str, ...], str | None] = {}  # a RestartInputs or its plain tuple
+FINGERPRINTS_MAX = 20_000
+_UNKNOWN = object()
+
+
+def expected_fingerprint(inputs: RestartInputs, node: Node) -> str | None:
+    """``lifecycle.expected_fingerprint`` of ``inputs``, memoized (``node``: the placement's,
+    named in a refusal's text)."""
+    try:
+        return _FINGERPRINTS[inputs]
+    except KeyError:
+        pass
+    model = ModelDefinition(
+        served_name=inputs.served_name,
+        runtime=inputs.runtime,
+        settings=json.loads(inputs.settings),
+        delivery=inputs.delivery,
+        image=inputs.image,
+        executable_version=inputs.executable_version,
+    )
+    placement = Placement(
+        gpu_uuids=json.loads(inputs.gpu_uuids), gpu_budgets=json.loads(inputs.gpu_budgets)
+    )
+    Placement._meta.get_field("node").set_cached_value(placement, node)
+    found = lifecycle.expected_fingerprint(model, placement, inputs.resolved_version)
+    if len(_FINGERPRINTS) >= FINGERPRINTS_MAX:
+        _FINGERPRINTS.clear()
+    _FINGERPRINTS[inputs] = found
+    return found
+
+
+@dataclass(slots=True)
+class Registry:
+    """Every placement, read once for a page over the whole fleet (the Overview)."""
+
+    # Each model's replicas in placement order: services.all_replicas's answer.
+    replicas: dict[int, list[services.Replica]]
+    # Per placement: (model id, placement id, node pk, *RestartInputs but the last).
+    placements: list[tuple[Any, ...]]
+
+
+def read_registry(nodes: dict[int, Node]) -> Registry:
+    """Every placement in one query (no ``IN`` of ids: SQLite refuses thousands), with the
+    definition's columns its expected fingerprint depends on (JSON as text). ``nodes``:
+    every node by primary key, read already (a placement on a node added since is left
+    to the next read)."""
+    rows = Placement.objects.order_by("id").values_list(
+        "model_id", "id", "node_id", *_INPUT_COLUMNS
+    )
+    replicas: dict[int, list[services.Replica]] = {}
+    placements = []
+    for row in rows:
+        node = nodes.get(row[2])
+        if node is not None:
+            replica = (node.node_id, Placement.instance_id_of(row[0], row[1]))
+            replicas.setdefault(row[0], []).append(replica)
+            placements.append(row)
+    return Registry(replicas=replicas, placements=placements)
+
+
 def restart_pending(
-    replicas: dict[int, list[services.Replica]],
-    statuses: dict[str, NodeStatus],
-    nodes: dict[int, Node],
+    registry: Registry, statuses: dict[str, NodeStatus], nodes: dict[int, Node]
 ) -> set[int]:
     """The models whose restart is pending (``lifecycle.restart_pending`` on a replica),
-    over the registry's replicas (``services.all_replicas``) and the nodes' statuses.
+    over the registry (:func:`read_registry`) and the nodes' statuses (``nodes``: every
+    node by primary key).
 
-    Only a model with a running replica that reported its fingerprint is a candidate
-    (``lifecycle.may_be_pending``), and in a fleet that is every running one: they are
-    read in two queries of the columns the check needs (``lifecycle.RESTART_FIELDS``),
-    with no ``IN`` of thousands of ids (SQLite refuses one). ``nodes``: every node by
-    primary key, read already.
+    Only a running replica that reported its fingerprint is checked
+    (``lifecycle.may_be_pending``), and in a fleet that is every running one: each
+    expected fingerprint is memoized on exactly what it depends on
+    (:func:`expected_fingerprint`), so a render compares strings.
     """
-    model_ids = {
-        model_id
-        for model_id, found in replicas.items()
-        for node_id, instance_id in found
-        if lifecycle.may_be_pending(_instance(statuses, node_id, instance_id))
+    instances = {
+        pk: (statuses.get(n.node_id) or {}).get("instances") or {} for pk, n in nodes.items()
     }
-    if not model_ids:
-        return set()
-    definitions = ModelDefinition.objects.only(*lifecycle.RESTART_FIELDS).order_by()
-    placements = Placement.objects.only("id", "model_id", "node_id", "gpu_uuids", "gpu_budgets")
-    if len(model_ids) <= IN_MAX:
-        definitions = definitions.filter(pk__in=model_ids)
-        placements = placements.filter(model_id__in=model_ids)
-    models = {m.pk: m for m in definitions if m.pk in model_ids}
-    node_field = Placement._meta.get_field("node")
     pending: set[int] = set()
-    for placement in placements.order_by("id"):
-        model = models.get(placement.model_id)
-        if model is None or model.pk in pending:
+    for row in registry.placements:  # thousands: plain tuples, a plain tuple as the memo's key
+        model_id, pk, node_pk = row[0], row[1], row[2]
+        if model_id in pending:
             continue
-        node = nodes[placement.node_id]
-        node_field.set_cached_value(placement, node)  # no query for the node (its error text)
-        inst = _instance(statuses, node.node_id, placement.instance_id)
-        if inst and lifecycle.restart_pending(model, placement, inst):
-            pending.add(model.pk)
+        inst = instances[node_pk].get(Placement.instance_id_of(model_id, pk))
+        if not inst or not lifecycle.may_be_pending(inst):
+            continue
+        key = (*row[3:], lifecycle.running_version(inst))  # equal to its RestartInputs
+        expected = _FINGERPRINTS.get(key, _UNKNOWN)
+        if expected is _UNKNOWN:
+            expected = expected_fingerprint(RestartInputs(*key), nodes[node_pk])
+        if expected != inst["fingerprint"]:
+            pending.add(model_id)
     return pending
