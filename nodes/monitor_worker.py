@@ -85,6 +85,7 @@ class NodeWorker:
         self.autostarted_boot: str | None = None
         self.autostart_task: asyncio.Task[None] | None = None
         self.reconcile_task: asyncio.Task[None] | None = None
+        self.settle_task: asyncio.Task[None] | None = None
         self.recent = telemetry.Recent(stalls.READBACK)  # its newest history points
         # The agent's heartbeats carry its telemetry (feature events.telemetry): no pull.
         self.telemetry_pushed = False
@@ -127,7 +128,12 @@ class NodeWorker:
         self.recent = previous.recent
 
     async def recompute(
-        self, now: float | None = None, *, force: bool = True, announce: bool = False
+        self,
+        now: float | None = None,
+        *,
+        force: bool = True,
+        announce: bool = False,
+        models: bool = True,
     ) -> bool:
         """Recompute the state; write it, and announce it when anything visible changed.
 
@@ -161,7 +167,7 @@ class NodeWorker:
         if changed or announce:
             await events.invalidate_status(self.node.node_id)
             await self.publish_node(urgent=True)
-            if previous != state.value or announce:
+            if (previous != state.value or announce) and models:
                 await self.publish_models()
         return changed
 
@@ -229,14 +235,15 @@ class NodeWorker:
 
     # -- steps -------------------------------------------------------------------------
 
-    async def connect(self) -> None:
+    async def connect(self, *, settle: bool = True) -> None:
         """``/info`` then ``/status``: protocol, identity, clock skew, the full snapshot.
 
-        Only the two requests hold the connect gate. The database work and the
-        announcement after them wait on the one database thread: inside the gate, a
-        restart's thousand connects queued there 32 at a time, and the last node was
-        Online 82 s after the restart (docs/performance.md, "A fleet of a thousand
-        machines").
+        Only the two requests hold the connect gate: with the database work after them
+        inside it, a restart's thousand connects queued on the database thread 32 at a
+        time, and the last node was Online 82 s after the restart (docs/performance.md,
+        "A fleet of a thousand machines"). The status is written and announced here;
+        the database work is :meth:`settle`, awaited unless ``settle`` is false (the
+        monitor's own loop runs it beside the event stream).
         """
         snapshot: dict[str, Any] | None = None
         async with self.connect_gate or contextlib.nullcontext():
@@ -275,8 +282,26 @@ class NodeWorker:
         self.backoff = BACKOFF_START
         # One announcement per (re)connect, whether or not the state changed. The status
         # is written first: the node is Online before the database is asked anything.
-        await self.recompute(announce=True)
-        await self.save_info(info, max(common) if common else None)
+        await self.recompute(announce=True, models=False)
+        work = self.settle(info, max(common) if common else None)
+        if settle:
+            await work
+        else:
+            self.settle_task = asyncio.create_task(work, name=f"settle-{self.node.node_id}")
+
+    async def settle(self, info: dict[str, Any], protocol: int | None) -> None:
+        """What a (re)connect leaves to the database: the models' console rows, the
+        agent's facts, the open operations, the auto-starts.
+
+        The monitor runs it beside the event stream: every database call waits its turn
+        on sync_to_async's one thread, and a thousand nodes reconnecting at once queued
+        there for longer than the 15 s after which a node whose events are not read is
+        Offline (docs/performance.md, "A fleet of a thousand machines")."""
+        await self.publish_models()
+        try:
+            await self.save_info(info, protocol)
+        except Exception:  # bookkeeping: the next connect saves them
+            log.exception("Node %s: saving its facts failed", self.node.node_id)
         await self.reconcile_operations()
         self.maybe_autostart()
 
@@ -460,7 +485,7 @@ class NodeWorker:
         try:
             while not self.stop.is_set():
                 try:
-                    await self.connect()
+                    await self.connect(settle=False)
                     if self.incompatible:
                         await self._sleep(BACKOFF_MAX)
                         continue
@@ -477,7 +502,7 @@ class NodeWorker:
             watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watchdog
-            for task in (self.autostart_task, self.reconcile_task):
+            for task in (self.autostart_task, self.reconcile_task, self.settle_task):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
