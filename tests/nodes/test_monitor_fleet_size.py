@@ -17,6 +17,7 @@ from asgiref.sync import sync_to_async
 
 from nodes import monitor_worker as monitor_module
 from nodes import status_cache
+from nodes.models import Node
 from nodes.monitor import Monitor, NodeWorker
 from tests.factories import make_node
 from tests.nodes.conftest import Enrolled
@@ -123,3 +124,35 @@ async def test_three_hundred_publishes_at_once_wait_for_a_connection(
         await get_channel_layer().close_pools()
     refused = [r.getMessage() for r in caplog.records if "Could not publish" in r.getMessage()]
     assert refused == []
+
+
+async def test_a_notification_reads_its_node_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 approvals must not read the 1,000 nodes 1,000 times: a node's change looks at
+    that node, and leaves the others' workers alone."""
+    for node_id in ("n1", "n2"):
+        await sync_to_async(make_node)(node_id)
+    monitor = Monitor(refresh_interval=60)
+    await monitor.refresh()
+    others = monitor.workers["n2"]
+    read: list[int] = []
+    counted = monitor.load_nodes
+
+    async def counting(only: str | None = None) -> list[Node]:
+        found = await counted(only)
+        read.append(len(found))
+        return found
+
+    monkeypatch.setattr(monitor, "load_nodes", counting)
+    try:
+        await sync_to_async(Node.objects.filter(node_id="n2").update)(address="https://127.0.0.9:1")
+        await sync_to_async(Node.objects.filter(node_id="n1").update)(revoked=True)
+        await monitor.node_changed("n1")
+        assert "n1" not in monitor.workers and read == [0]  # n1 no longer to follow
+        assert monitor.workers["n2"] is others  # n2's change waits for its own notice
+        await monitor.node_changed("n2")
+        assert monitor.workers["n2"] is not others and read == [0, 1]
+    finally:
+        for each, each_task in monitor.workers.values():
+            each.stop.set()
+            each_task.cancel()
+        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
