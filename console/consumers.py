@@ -164,8 +164,20 @@ class FleetConsumer(_PageConsumer):
     subscription: Subscription | None = None
     _summary: asyncio.Task[None] | None = None
 
+    watching = False
+
     def page_groups(self) -> list[str] | None:
         return [FLEET_GROUP]
+
+    async def connect(self) -> None:
+        await super().connect()
+        if getattr(self, "groups_joined", None):
+            # The monitor builds the models' rows only while a fleet page is open.
+            try:
+                await fanout.awatch(fanout.FLEET_WATCHER, self.channel_name)
+                self.watching = True
+            except (RedisError, OSError):
+                log.warning("Fleet page: registering it with the monitor failed")
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         # Checked before any parse: the size bound holds whatever the frame holds.
@@ -202,6 +214,9 @@ class FleetConsumer(_PageConsumer):
             self._summary = None
 
     async def disconnect(self, code: int) -> None:
+        if self.watching:
+            with contextlib.suppress(RedisError, OSError):
+                await fanout.aunwatch(fanout.FLEET_WATCHER, self.channel_name)
         if self._summary is not None:
             self._summary.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

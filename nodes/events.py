@@ -252,6 +252,11 @@ SEND_CONCURRENCY = 32
 _send_gates: dict[int, asyncio.Semaphore] = {}
 
 
+async def tell_monitor_async(kind: str) -> None:
+    """A message of ``kind`` for the monitor group, from async code (nodes.fanout)."""
+    await _send(MONITOR_GROUP, {"type": kind}, kind)
+
+
 def _send_gate() -> asyncio.Semaphore:
     """This event loop's gate (asyncio primitives belong to one loop)."""
     loop_id = id(asyncio.get_running_loop())

@@ -22,7 +22,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 
 from nodes import events, fencing, operations, status_cache
-from nodes.fanout import Batched
+from nodes.fanout import WATCH_CHANGED, Batched
 from nodes.models import Node
 from nodes.monitor_rows import node_summary, publish_model_rows
 from nodes.monitor_worker import NodeWorker
@@ -189,7 +189,8 @@ class Monitor:
         await status_cache.awrite(status)
         await events.invalidate_status(node_id)
         await self.fanout.node_updated(node_summary(status, node), urgent=True)
-        await publish_model_rows(node_id)
+        if self.fanout.fleet_watched():
+            await publish_model_rows(node_id)
 
     async def node_changed(self, node_id: str) -> None:
         """A registry change of one node (docs/decisions.md D46): follow or drop it, announce it."""
@@ -207,6 +208,9 @@ class Monitor:
         await worker.recompute(announce=True)
 
     async def _on_message(self, message: dict[str, Any]) -> None:
+        if message.get("type") == WATCH_CHANGED:
+            await self.fanout.refresh_watched()
+            return
         if message.get("type") == "node.changed" and isinstance(message.get("nodeId"), str):
             try:
                 await self.node_changed(message["nodeId"])

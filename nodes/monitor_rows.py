@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -76,8 +77,11 @@ async def publish_model_rows(node_id: str, model_ids: list[int] | None = None) -
 class RowPublisher:
     """One node's pending model rows and measurements, worked off by one task."""
 
-    def __init__(self, node_id: str) -> None:
+    def __init__(self, node_id: str, *, wanted: Callable[[], bool] = lambda: True) -> None:
+        """``wanted``: whether the rows are worth building now (a fleet page is open);
+        the measurements are recorded whatever it says."""
         self.node_id = node_id
+        self.wanted = wanted
         self._models: set[int] = set()
         self._measurements: list[dict[str, Any]] = []
         self._task: asyncio.Task[None] | None = None
@@ -85,7 +89,7 @@ class RowPublisher:
     def instance_changed(self, instance: dict[str, Any]) -> None:
         """Queue the model's row and, when the instance carries one, its measurement."""
         model_id = instance.get("modelId")
-        if isinstance(model_id, int):
+        if isinstance(model_id, int) and self.wanted():
             self._models.add(model_id)
         if instance.get("measured"):
             self._measurements.append(instance)

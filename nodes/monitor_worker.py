@@ -63,7 +63,7 @@ class NodeWorker:
         self.fanout: Fanout = fanout if fanout is not None else Direct()
         self.stop = stop
         self.client = AsyncAgentClient(node=node)
-        self.rows = RowPublisher(node.node_id)
+        self.rows = RowPublisher(node.node_id, wanted=self.fanout.fleet_watched)
         self.connect_gate = connect_gate
         self.save_failing = False
         self.connected = False
@@ -191,7 +191,10 @@ class NodeWorker:
         await self.fanout.node_updated(node_summary(self.status, self.node), urgent=urgent)
 
     async def publish_models(self, model_ids: list[int] | None = None) -> None:
-        """The Overview rows of this node's models (``model_ids`` only, if given)."""
+        """The Overview rows of this node's models (``model_ids`` only, if given), while
+        a fleet page is open."""
+        if not self.fanout.fleet_watched():
+            return
         await publish_model_rows(self.node.node_id, model_ids)
 
     async def publish_download(self, download: dict[str, Any]) -> None:
