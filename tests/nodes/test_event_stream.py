@@ -44,6 +44,7 @@ async def test_the_stream_yields_each_event_once_in_order(
     assert seen[1][1]["telemetry"]["memory"]["totalBytes"] > 0
 
 
+@pytest.mark.django_db(transaction=True)  # the client reads the master's CA
 async def test_events_split_anywhere_and_an_event_that_never_ends_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
