@@ -163,12 +163,18 @@ class Batched:
             # Keep the last answer: a Redis blip must not stop a watched page's events.
             log.warning("Reading the watched nodes failed: %s", exc)
 
+    def _list_old(self) -> bool:
+        """Whether the watch list was never read or is older than WATCH_REFRESH_SECONDS."""
+        return (
+            self.watched_at is None or time.monotonic() - self.watched_at >= WATCH_REFRESH_SECONDS
+        )
+
     async def _running(self) -> None:
         """Start the sending task if none runs; read the watch list first if it is old
         (a worker's first event must not skip a page that is open)."""
         if self._task is not None and not self._task.done():
             return
-        if self.watched_at is None or time.monotonic() - self.watched_at >= WATCH_REFRESH_SECONDS:
+        if self._list_old():
             await self.refresh_watched()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="monitor-fanout")
@@ -185,10 +191,7 @@ class Batched:
                 sent = -1
             if sent == 0:
                 return  # idle: the next event starts it again
-            if (
-                self.watched_at is None
-                or time.monotonic() - self.watched_at >= WATCH_REFRESH_SECONDS
-            ):
+            if self._list_old():
                 await self.refresh_watched()
 
     async def close(self) -> None:
