@@ -51,6 +51,9 @@ class MasterConfig:
     debug: bool
     allowed_hosts: list[str]
     secure_cookies: bool
+    # Server-Timing on every answer: the view's wall and CPU time (bench/fleet.py reads
+    # it). Off by default: it tells a caller how long the server worked.
+    server_timing: bool = False
     bootstrap_node_id: str
     bootstrap_agent_address: str
     enroll_endpoint: str
@@ -203,6 +206,7 @@ def load_master_config(env: Mapping[str, str] | None = None) -> MasterConfig:
         debug=env_bool("MIRBAD_DEBUG", False, env=env),
         allowed_hosts=env_list("MIRBAD_ALLOWED_HOSTS", ["127.0.0.1", "localhost"], env=env),
         secure_cookies=env_bool("MIRBAD_SECURE_COOKIES", False, env=env),
+        server_timing=env_bool("MIRBAD_SERVER_TIMING", False, env=env),
         bootstrap_node_id=node_id,
         bootstrap_agent_address=agent_address,
         enroll_endpoint=enroll_endpoint,

@@ -69,6 +69,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
+if MIRBAD.server_timing:  # first: it times every other middleware too
+    MIDDLEWARE.insert(0, "mirbad_site.server_timing.ServerTimingMiddleware")
 
 ROOT_URLCONF = "mirbad_site.urls"
 TEMPLATES = [
