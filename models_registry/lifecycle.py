@@ -506,16 +506,26 @@ def autostart_node(node_id: str) -> list[dict[str, Any]]:
     crash loop is not healed by retrying it). A model that does not fit is left
     stopped, and why is written on the model.
     """
-    node = Node.objects.filter(node_id=node_id, revoked=False, approved=True).first()
-    if node is None or node.draining:
+    # The placements first: a master restart runs this for every node of the fleet, and
+    # most have nothing to auto-start, so one query answers for them (the node's row and
+    # its status were read for each, docs/performance.md).
+    placements = list(
+        Placement.objects.select_related("model", "node")
+        .filter(
+            node__node_id=node_id,
+            node__revoked=False,
+            node__approved=True,
+            model__auto_start=True,
+            model__desired_state="running",
+        )
+        .order_by("model__served_name")
+    )
+    if not placements or placements[0].node.draining:
         return []
-    status = node_status.read(node)
+    status = node_status.read(placements[0].node)
     instances = status.get("instances") or {}
     outcomes = []
-    placements = Placement.objects.select_related("model", "node").filter(
-        node=node, model__auto_start=True, model__desired_state="running"
-    )
-    for placement in placements.order_by("model__served_name"):
+    for placement in placements:
         inst = instances.get(placement.instance_id)
         if inst is not None and inst.get("state") != InstanceState.STOPPED:
             continue

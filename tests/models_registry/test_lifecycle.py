@@ -303,3 +303,28 @@ def test_vllm_suggestions_rank_nodes_by_their_gpu_share_and_offer(
     assert not by_node["plain"]["suitable"]
     assert "does not offer vllm as a container" in by_node["plain"]["reasons"]
     assert "no GPU: vLLM needs GPUs" in by_node["cpu"]["reasons"]
+
+
+@pytest.mark.django_db
+def test_auto_start_of_a_node_with_nothing_to_start_is_one_query(
+    django_assert_num_queries: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A master restart asks this of every node: most have no auto-start model, and for
+    them neither the node's row nor its status is read."""
+    node = make_node("n1")
+    make_model("plain", node)
+    stopped = make_model("stopped", node)
+    ModelDefinition.objects.filter(pk=stopped.pk).update(auto_start=True, desired_state="stopped")
+
+    def no_read(*_: Any) -> None:
+        raise AssertionError("the status was read")
+
+    monkeypatch.setattr(lifecycle.node_status, "read", no_read)
+    with django_assert_num_queries(1):
+        assert lifecycle.autostart_node("n1") == []
+    # A draining node starts nothing either, even with a model to start.
+    draining = make_model("wanted", node)
+    ModelDefinition.objects.filter(pk=draining.pk).update(auto_start=True, desired_state="running")
+    Node.objects.filter(pk=node.pk).update(draining=True)
+    with django_assert_num_queries(1):
+        assert lifecycle.autostart_node("n1") == []
