@@ -335,20 +335,29 @@ class NodeWorker:
 
     @sync_to_async
     def save_info(self, info: dict[str, Any], protocol: int | None) -> None:
-        Node.objects.filter(pk=self.node.pk).update(
-            agent_version=str(info.get("agentVersion", ""))[:40],
-            protocol_version=protocol,
-            os=str(info.get("os", ""))[:40],
-            arch=str(info.get("arch", ""))[:40],
-            memory_total_bytes=info.get("memoryTotalBytes"),
-            facts={
+        """The agent's facts on its node's row, written only when they changed (beyond
+        the disks' free space, which the telemetry carries live): after a master restart
+        every node reconnects with the facts the row already holds, and a thousand
+        identical writes queued beside the connects."""
+        values = {
+            "agent_version": str(info.get("agentVersion", ""))[:40],
+            "protocol_version": protocol,
+            "os": str(info.get("os", ""))[:40],
+            "arch": str(info.get("arch", ""))[:40],
+            "memory_total_bytes": info.get("memoryTotalBytes"),
+            "facts": {
                 key: info.get(key)
                 for key in (
                     "hostname", "osVersion", "addresses", "cpu", "gpus", "disks", "executables",
                     "features",
                 )
             },
-        )  # fmt: skip
+        }  # fmt: skip
+        if _steady(values) == _steady({field: getattr(self.node, field) for field in values}):
+            return
+        Node.objects.filter(pk=self.node.pk).update(**values)
+        for field, value in values.items():
+            setattr(self.node, field, value)
 
     def apply_snapshot(self, snapshot: dict[str, Any]) -> None:
         self.touch()
@@ -541,3 +550,18 @@ class NodeWorker:
             for task in [*tasks, stopper]:
                 task.cancel()
             await asyncio.gather(*tasks, stopper, return_exceptions=True)
+
+
+def _steady(values: dict[str, Any]) -> dict[str, Any]:
+    """A node's facts without what moves between two connects of the same agent: the
+    disks' free space."""
+    facts = dict(values.get("facts") or {})
+    disks = facts.get("disks")
+    if isinstance(disks, list):
+        facts["disks"] = [
+            {k: v for k, v in d.items() if k not in ("freeBytes", "percent")}
+            if isinstance(d, dict)
+            else d
+            for d in disks
+        ]
+    return {**values, "facts": facts}

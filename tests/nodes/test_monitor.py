@@ -170,3 +170,26 @@ async def test_certificate_expiring_names_the_last_renewal_error(
         assert [r for r in worker.reasons() if r["code"] == "certificate_expiring"]
     finally:
         await worker.client.aclose()
+
+
+async def test_connect_writes_the_facts_only_when_they_changed(enrolled: Enrolled) -> None:
+    """After a master restart every node reconnects with the facts its row holds: no
+    write then (a thousand identical writes queued beside the connects)."""
+
+    async def connect_with(node: Node) -> None:
+        worker = NodeWorker(node=node, stop=asyncio.Event())
+        try:
+            await worker.connect()
+        finally:
+            await worker.client.aclose()
+
+    await connect_with(enrolled.node)
+    written = await sync_to_async(Node.objects.get)(node_id="n1")
+    # The row changes behind the worker's back: a worker that knows the row as it was
+    # written does not write it again...
+    await sync_to_async(Node.objects.filter(node_id="n1").update)(os="marker")
+    await connect_with(written)
+    assert (await sync_to_async(Node.objects.get)(node_id="n1")).os == "marker"
+    # ...and one that reads a row unlike the agent's facts writes them.
+    await connect_with(await sync_to_async(Node.objects.get)(node_id="n1"))
+    assert (await sync_to_async(Node.objects.get)(node_id="n1")).os == written.os != "marker"
