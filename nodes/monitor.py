@@ -27,6 +27,7 @@ from nodes.models import Node
 from nodes.monitor_rows import node_summary, publish_model_rows
 from nodes.monitor_worker import NodeWorker
 from nodes.states import NodeState, registry_state
+from nodes.status_writer import GroupWriter
 
 log = logging.getLogger("mirbad.monitor")
 
@@ -81,6 +82,7 @@ class Monitor:
         # queue instead of starving the loop that keeps the connected ones alive.
         self.connect_gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
         self.fanout = Batched()
+        self.writer = GroupWriter()  # every worker's records, one transaction a round trip
         self.reconciled_at = time.monotonic()  # every worker reconciles as it connects
 
     @sync_to_async
@@ -148,6 +150,7 @@ class Monitor:
                         stop=asyncio.Event(),
                         connect_gate=self.connect_gate,
                         fanout=self.fanout,
+                        writer=self.writer,
                     )
                     if node_id in handed:
                         worker.inherit(handed[node_id])
@@ -189,7 +192,9 @@ class Monitor:
             "reasons": [],
             "lastSeen": None,
         }
-        await status_cache.awrite(status)
+        # Through the workers' writer: a stopped worker's last write, still queued, must
+        # not land after this one.
+        await self.writer.write(status)
         await events.invalidate_status(node_id)
         await self.fanout.node_updated(node_summary(status, node), urgent=True)
         if self.fanout.fleet_watched():

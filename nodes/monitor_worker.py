@@ -34,6 +34,7 @@ from nodes.monitor_rows import (
     publish_model_rows,
 )
 from nodes.states import OFFLINE_AFTER_SECONDS, NodeState, compute_state
+from nodes.status_writer import DirectWriter, Writer
 from protocol.versions import PROTOCOL_VERSIONS
 
 log = logging.getLogger("mirbad.monitor")
@@ -56,11 +57,14 @@ class NodeWorker:
         stop: asyncio.Event,
         connect_gate: asyncio.Semaphore | None = None,
         fanout: Fanout | None = None,
+        writer: Writer | None = None,
     ) -> None:
         """``connect_gate`` bounds how many workers (re)connect at once, ``fanout`` sends
-        the console events (the Monitor's; alone, a worker sends each at once)."""
+        the console events and ``writer`` writes the record (the Monitor's; alone, a
+        worker sends and writes each at once)."""
         self.node = node
         self.fanout: Fanout = fanout if fanout is not None else Direct()
+        self.writer: Writer = writer if writer is not None else DirectWriter()
         self.stop = stop
         self.client = AsyncAgentClient(node=node)
         self.rows = RowPublisher(node.node_id, wanted=self.fanout.fleet_watched)
@@ -175,7 +179,7 @@ class NodeWorker:
         """Write the record; a Redis failure is logged, never a lost agent (at 1,000
         nodes the reconnects fed the overload). The next write carries it whole."""
         try:
-            await status_cache.awrite(self.status)
+            await self.writer.write(self.status)
         except (redis.exceptions.RedisError, OSError) as exc:
             self._write_failed(exc)
         else:
@@ -457,21 +461,20 @@ class NodeWorker:
 
         One round trip instead of four: the Redis writes of each sample were the largest
         cost left per node (docs/performance.md, "A fleet of a thousand machines")."""
-        point: telemetry.Point | None = None
+        staged: list[telemetry.Point | None] = []
         try:
             await telemetry.aload(self.node.node_id, self.recent)
-            async with status_cache.async_client().pipeline(transaction=True) as pipe:
-                status_cache.stage_write(self.status, pipe)
-                point = self.stage_history(sample, pipe)
-                await pipe.execute()
+            await self.writer.write(
+                self.status, lambda pipe: staged.append(self.stage_history(sample, pipe))
+            )
         except (redis.exceptions.RedisError, OSError) as exc:
             self._write_failed(exc)
-            point = None
+            staged = []
         else:
             self.save_failing = False
         await self.publish_node()
-        if point is not None:
-            await self.fanout.node_telemetry(self.node.node_id, point)
+        if staged and staged[0] is not None:
+            await self.fanout.node_telemetry(self.node.node_id, staged[0])
 
     def stage_history(
         self, sample: dict[str, Any], pipe: aioredis.client.Pipeline
