@@ -292,7 +292,11 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=100)
     parser.add_argument("--models", type=int, default=500)
     parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/15")
+    parser.add_argument(
+        "--redis-url",
+        default=os.environ.get("MIRBAD_REDIS_URL", "redis://127.0.0.1:6379/15"),
+        help="the Redis database it fills and empties (default MIRBAD_REDIS_URL, else db 15)",
+    )
     parser.add_argument("--database-url", default="")
     parser.add_argument("--json", type=Path)
     parser.add_argument(

@@ -23,7 +23,6 @@ commands and their refusals, the launcher) goes through :func:`effective`:
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -63,7 +62,7 @@ def live_state(record: NodeStatus, now: float | None = None) -> str:
 def effective(node: Registered, record: NodeStatus | None, now: float | None = None) -> NodeStatus:
     """The node's status as every reader shows and uses it (a copy; ``record`` is not changed)."""
     status: NodeStatus = (
-        copy.copy(record)
+        record.copy()
         if record is not None
         else {
             "nodeId": node.node_id,
@@ -109,7 +108,8 @@ def read_many(nodes: Iterable[Registered]) -> dict[str, NodeStatus]:
     """
     by_id = {node.node_id: node for node in nodes}
     records = status_cache.read_many(sorted(by_id))
-    return {node_id: effective(node, records.get(node_id)) for node_id, node in by_id.items()}
+    now = time.time()  # one clock for the list: a thousand nodes are judged at one moment
+    return {node_id: effective(node, records.get(node_id), now) for node_id, node in by_id.items()}
 
 
 def require_serving(node: Registered, consequence: str) -> NodeStatus:

@@ -120,7 +120,7 @@ class NodeViewSet(viewsets.GenericViewSet):
     def list(self, request: Request) -> Response:
         wanted = listing.parse_filter(request.query_params)
         window = paging.window(request.query_params)
-        found = listing.select(wanted, window)
+        found = listing.select_values(wanted, window)
         stale, as_of = status_cache.oldest_as_of(found.statuses)
         listed = [node_representation(n, found.statuses.get(n.node_id) or {}) for n in found.nodes]
         return Response(

@@ -306,3 +306,91 @@ def test_the_masters_open_operations_are_on_the_node_page_and_need_attention(
     assert line in attention
     assert 'href="/nodes/n1/"' in attention
     assert "m1-p2" not in attention  # a moment old: normal work
+
+
+def _row_variants(base: dict[str, Any]) -> list[dict[str, Any]]:
+    """``base`` (a real node_row) and variants through every branch of node_row.html."""
+    import datetime
+
+    from console.node_views import certificate
+
+    nasty = "<b>&\"'</b> é"
+    cert = dict(base["certificate"])
+    rotating = {
+        **cert,
+        "not_after": "",
+        "rotation": {"rotationId": "r1", "stage": "signed", "reason": "manual", "attempts": 1,
+                     "lastError": ""},
+        "renewalError": f"refused {nasty}",
+    }  # fmt: skip
+    gpus = [
+        {"index": 0, "label": "GPU 0", "name": "H100",
+         "bar": {"percent": "50", "text": "40.0 / 80.0 GiB"}, "util": "55"},
+        {"index": 1, "label": f"GPU {nasty}", "name": "GPU", "bar": None, "util": None},
+    ]  # fmt: skip
+    operations = [
+        {"kind": "launch", "instance_id": "m1-p1", "id": "op-1", "age": "3 s ago", "stuck": False},
+        {"kind": nasty, "instance_id": 7, "id": 12, "age": "", "stuck": True},
+    ]
+    changes: list[dict[str, Any]] = [
+        {},
+        {"stale": True, "last_seen": "2026-12-04 10:00:00 UTC", "state": "Offline"},
+        {"stale": True, "last_seen": ""},
+        {"draining": True, "display_name": nasty, "reasons": f"code-{nasty}"},
+        {
+            "maintenance_until": datetime.datetime(2026, 12, 4, 21, 7, tzinfo=datetime.UTC),
+            "maintenance_reason": nasty,
+        },
+        {"last_error": f"connect refused {nasty} " + "x" * 200},
+        {"last_error": "short"},
+        {"cpu": None, "mem_bar": None, "gpus": [], "os_arch": "", "agent_version": ""},
+        {"cpu": "0", "gpus": gpus, "operations": operations, "protocol_text": " · v3"},
+        {"certificate": rotating},
+        {"certificate": certificate({**cert, "notAfter": None})},  # type: ignore[typeddict-item]
+        {"revoked": True},
+        {"approved": False, "fingerprint": "SHA256:" + "Q" * 43 + "="},
+        {"approved": False, "draining": True, "fingerprint": ""},
+        {"node_id": f"n-{nasty}", "url": f"/nodes/{nasty}/", "models_text": "2 / 5"},
+    ]
+    return [{**base, **change} for change in changes]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("token", ["tok3n" * 12, "", "NOTPROVIDED"])
+# Django's {% csrf_token %} warns of its own format_html("") for NOTPROVIDED.
+@pytest.mark.filterwarnings("ignore::django.utils.deprecation.RemovedInDjango60Warning")
+def test_the_python_rows_are_node_row_html_byte_for_byte(token: str, status_redis) -> None:
+    """console.node_views.row_html writes the list's rows (issue 19: the template was
+    four fifths of the page); node_row.html still renders the Overview's table."""
+    from django.template.loader import get_template
+
+    from console.node_views import csrf_input, row_html, rows_for, rows_html
+
+    node = make_node("n1", os="Linux", arch="x86_64", agent_version="0.9.1", protocol_version=2)
+    _status(node)
+    base = rows_for([Node.objects.get(pk=node.pk)])[0]
+    variants = _row_variants(base)
+    row_template = get_template("console/node_row.html")
+    for row in variants:
+        expected = row_template.render({"n": row, "csrf_token": token})
+        assert row_html(row, csrf_input(token)) == expected, row
+    table = get_template("console/nodes_table.html")
+    looped = table.render({"nodes": variants, "csrf_token": token, "filtered": False})
+    written = table.render(
+        {
+            "nodes": variants,
+            "rows_html": rows_html(variants, csrf_input(token)),
+            "csrf_token": token,
+            "filtered": False,
+        }
+    )
+    assert written == looped
+
+
+@pytest.mark.django_db
+def test_the_nodes_page_renders_its_rows_with_one_token(client: Client, status_redis) -> None:
+    for node_id in ("n1", "n2"):
+        _status(make_node(node_id))
+    page = client.get("/nodes/").content.decode()
+    tokens = set(re.findall(r'name="csrfmiddlewaretoken" value="([^"]+)"', page))
+    assert page.count('name="csrfmiddlewaretoken"') == 5 and len(tokens) == 1  # and logout

@@ -122,3 +122,33 @@ def test_the_unfiltered_list_reads_each_node_row_once(
     ]
     # Before issue 19: every node's filter columns, then the page's rows again, whole.
     assert len(node_rows) == 1, node_rows
+
+
+def test_the_list_s_plain_values_answer_as_the_node_does() -> None:
+    """GET /api/nodes builds no Node (nodes.listing.NodeValues, issue 19): each row of
+    values answers what its Node answers, key for key and in the same order."""
+    from nodes import listing
+
+    _nodes()
+    nodes = list(Node.objects.order_by("node_id"))
+    listing.attach_open_rotations(nodes)
+    rows = listing.node_values(Node.objects.order_by("node_id"))
+    listing.attach_open_rotations(rows)
+    assert [r.node_id for r in rows] == [n.node_id for n in nodes]
+    now = time.time()
+    for node, row in zip(nodes, rows, strict=True):
+        assert row.enrolled == node.enrolled and row.gpu_reserve("GPU-1") == node.gpu_reserve(
+            "GPU-1"
+        )
+        for record in _statuses():
+            as_node = node_status.effective(node, record, now) if record else {}
+            as_values = node_status.effective(row, record, now) if record else {}
+            assert as_values.keys() == as_node.keys()
+            as_values["maintenanceLeft"] = as_node.get("maintenanceLeft", 0.0)  # the clock moved
+            expected = node_representation(node, as_node)
+            answered = node_representation(row, as_values)
+            for answer in (expected, answered):
+                if answer["maintenance"]:
+                    answer["maintenance"].pop("secondsLeft")  # the clock moved
+            assert answered == expected
+            assert list(answered) == list(expected)
