@@ -2,39 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.test import Client
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.fresh_django import run_django
+
 TIMING = re.compile(r"^app;dur=(\d+\.\d), cpu;dur=(\d+\.\d)$")
 
 
 def _middleware(tmp_path: Path, **env: str) -> list[str]:
     """The MIDDLEWARE a fresh process builds from ``env``."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
-    environ.update(
-        MIRBAD_DATA_PATH=str(tmp_path / "data"),
-        MIRBAD_REDIS_URL=os.environ.get("MIRBAD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        DJANGO_SETTINGS_MODULE="mirbad_site.settings",
-        **env,
-    )
     code = "from django.conf import settings; print('\\n'.join(settings.MIDDLEWARE))"
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
+    done = run_django(tmp_path, code, **env)
+    assert done.returncode == 0, done.stderr
     return done.stdout.split()
 
 

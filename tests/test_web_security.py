@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from django.test import Client, override_settings
 from core.envconf import SettingError
 from mirbad_site.csp import CONTENT_SECURITY_POLICY
 from mirbad_site.web_security import REDIRECT_EXEMPT, load_web_security
+from tests.fresh_django import run_django
 
 ROOT = Path(__file__).resolve().parent.parent
 ON = load_web_security(True, env={})
@@ -30,26 +28,6 @@ SECURE = {
 # What `manage.py check --deploy` may still say with MIRBAD_SECURE_COOKIES on; each one
 # is explained to operators in docs/security.md ("check --deploy warnings").
 EXPLAINED_DEPLOY_WARNINGS = {"security.W005", "security.W021"}
-
-
-def _run_django(tmp_path: Path, code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` in a fresh process whose settings come from ``env``."""
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
-    environ.update(
-        MIRBAD_DATA_PATH=str(tmp_path / "data"),
-        MIRBAD_REDIS_URL=os.environ.get("MIRBAD_REDIS_URL", "redis://127.0.0.1:6379/0"),
-        DJANGO_SETTINGS_MODULE="mirbad_site.settings",
-        **env,
-    )
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=environ,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
 
 
 # -- the rules ------------------------------------------------------------------------
@@ -97,13 +75,13 @@ def test_settings_follow_secure_cookies_and_deploy_check_says_only_what_is_expla
         "'exempt': s.SECURE_REDIRECT_EXEMPT, 'proxy': s.SECURE_PROXY_SSL_HEADER, "
         "'warnings': sorted(m.id for m in found)}))"
     )
-    on = _run_django(tmp_path, code, MIRBAD_SECURE_COOKIES="true")
+    on = run_django(tmp_path, code, MIRBAD_SECURE_COOKIES="true")
     assert on.returncode == 0, on.stderr
     got = json.loads(on.stdout.strip().splitlines()[-1])
     assert got["hsts"] == 31536000 and got["redirect"] is True
     assert got["exempt"] == [r"^healthz$"] and got["proxy"] is None
     assert set(got["warnings"]) == EXPLAINED_DEPLOY_WARNINGS, got["warnings"]
-    bad = _run_django(tmp_path, code, MIRBAD_SECURE_COOKIES="true", MIRBAD_HSTS_SECONDS="x")
+    bad = run_django(tmp_path, code, MIRBAD_SECURE_COOKIES="true", MIRBAD_HSTS_SECONDS="x")
     assert bad.returncode == 2 and "MIRBAD_HSTS_SECONDS" in bad.stderr
 
 
