@@ -79,6 +79,7 @@ def node_record(node: Node) -> dict[str, Any]:
         "revoked": node.revoked,
         "memoryReserveBytes": node.memory_reserve_bytes,
         "gpuReserves": node.gpu_reserves,
+        "labels": node.labels,
         "certSpkiSha256": node.spki_pin,
         "certSerial": node.cert_serial,
         "certNotAfter": _iso(node.cert_not_after),

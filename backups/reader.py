@@ -19,7 +19,9 @@ from typing import Any, TypeVar
 
 from backups import crypto
 from backups.document import FORMAT, READABLE_VERSIONS
+from core.errors import ServiceError
 from models_registry.services import RUNTIMES
+from nodes import labels as node_labels
 from protocol.engine_flags import DELIVERIES
 from protocol.names import NODE_ID_RE, NameRefused, check_file_name, check_folder_name
 from router.models import SCOPES
@@ -217,6 +219,7 @@ def _node(value: Any, path: str) -> dict[str, Any]:
         "revoked": _bool(_get(n, "revoked", False), f"{path}.revoked"),
         "memoryReserveBytes": _int(_get(n, "memoryReserveBytes", 2 * 1024**3), f"{path}.memoryReserveBytes"),
         "gpuReserves": _obj(_get(n, "gpuReserves", {}), f"{path}.gpuReserves"),
+        "labels": _labels(_get(n, "labels", {}), f"{path}.labels"),
         "certSpkiSha256": _str(_get(n, "certSpkiSha256", ""), f"{path}.certSpkiSha256", max_len=64),
         "certSerial": _str(_get(n, "certSerial", ""), f"{path}.certSerial", max_len=64),
         "certNotAfter": _when(_get(n, "certNotAfter"), f"{path}.certNotAfter"),
@@ -228,6 +231,15 @@ def _node(value: Any, path: str) -> dict[str, Any]:
         "arch": _str(_get(n, "arch", ""), f"{path}.arch", max_len=40),
         "memoryTotalBytes": _opt_int(_get(n, "memoryTotalBytes"), f"{path}.memoryTotalBytes"),
     }  # fmt: skip
+
+
+def _labels(value: Any, path: str) -> dict[str, str]:
+    """A node's labels, by the rules of nodes/labels.py (a backup older than labels has
+    none)."""
+    try:
+        return node_labels.clean(value)
+    except ServiceError as exc:
+        raise BackupInvalid(path, exc.message.removeprefix("labels").lstrip(".: ")) from None
 
 
 def _scope(value: Any, path: str) -> str:

@@ -376,7 +376,7 @@ def _node_row(record: dict[str, Any]) -> Node:
         is_bootstrap=record["isBootstrap"], approved=record["approved"],
         draining=record["draining"], revoked=record["revoked"],
         memory_reserve_bytes=record["memoryReserveBytes"], gpu_reserves=record["gpuReserves"],
-        spki_pin=record["certSpkiSha256"], cert_serial=record["certSerial"],
+        labels=record["labels"], spki_pin=record["certSpkiSha256"], cert_serial=record["certSerial"],
         cert_not_after=_when(record["certNotAfter"]), enrolled_at=_when(record["enrolledAt"]),
         facts=record["capabilities"], agent_version=record["agentVersion"],
         protocol_version=record["protocolVersion"], os=record["os"], arch=record["arch"],

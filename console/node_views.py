@@ -30,6 +30,7 @@ from core import paging
 from core.errors import ServiceError
 from models_registry.models import Placement
 from nodes import events, listing, operations, rotation, telemetry
+from nodes import labels as node_labels
 from nodes import status as node_status
 from nodes.models import AuditEvent, CertRotation, MasterOperation, Node
 from nodes.status_cache import NodeStatus
@@ -95,6 +96,7 @@ ROW_FIELDS = (
     "protocol_version",
     "os",
     "arch",
+    "labels",
 )
 
 
@@ -142,6 +144,7 @@ def node_row(
         # The node page's path; its actions are under it (console/urls.py).
         "url": f"{node_base or _node_base()}{quote(node.node_id, safe='')}/",
         "display_name": node.display_name,
+        "labels": node_labels.text(node.labels),
         "state": state,
         "approved": node.approved,
         "revoked": node.revoked,
@@ -276,6 +279,7 @@ def nodes_list(request: HttpRequest) -> HttpResponse:
         "states": listing.STATES,
         "q": request.GET.get("q", "").strip()[:MAX_QUERY],
         "model": request.GET.get("model", "").strip()[:200],
+        "label": request.GET.get("label", "").strip()[:200],
         "state": request.GET.get("state", "")[:200],
         "notice": notice,
         "nodes": [],
@@ -534,6 +538,7 @@ def row_html(n: dict[str, Any], csrf: str) -> str:
             f"{_STALE_CLASS if n['stale'] else ''}>\n",
             f'  <td class="id"><a href="{url}">{node_id}</a>',
             f"<br><small>{_e(name)}</small>" if name else "",
+            f'<br><small class="labels">{_e(n["labels"])}</small>' if n["labels"] else "",
             "</td>\n",
             f'  <td class="state"><span class="badge s-{state}">{state}</span>',
             ' <span class="badge chip">Draining</span>' if n["draining"] else "",

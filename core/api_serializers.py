@@ -122,6 +122,11 @@ class JsonIntMap(JsonValue):
     pass
 
 
+@extend_schema_field({"type": "object", "additionalProperties": {"type": "string"}})
+class JsonStrMap(JsonValue):
+    pass
+
+
 @extend_schema_field(OpenApiTypes.DATETIME)
 class IsoDateTime(serializers.Field):
     """An aware datetime as ``datetime.isoformat()`` writes it (``+00:00``, not ``Z``).

@@ -51,6 +51,17 @@ def text(params: Any, name: str, *, most: int = TEXT_MAX) -> str:
     return value
 
 
+def strings(params: Any, name: str, *, most: int = TEXT_MAX) -> list[str]:
+    """A parameter that may repeat: its non-empty values, stripped; more than
+    :data:`VALUES_MAX` of them, or one longer than ``most``, is a 400."""
+    values = [v.strip() for v in _raw(params, name) if v.strip()]
+    if len(values) > VALUES_MAX:
+        raise refuse(name, f"at most {VALUES_MAX} values")
+    if any(len(v) > most for v in values):
+        raise refuse(name, f"at most {most} characters each")
+    return values
+
+
 def choices(params: Any, name: str, allowed: Sequence[str]) -> frozenset[str]:
     """A filter that may repeat and take comma lists (``state=Online,Degraded&state=Offline``);
     each value one of ``allowed`` (case-insensitive), answered as ``allowed`` spells it."""

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar, cast
 from django.db.models import Prefetch, Q, QuerySet
 
 from core import paging
+from nodes import labels as node_labels
 from nodes import status as node_status
 from nodes.models import CertRotation, Node
 from nodes.states import NodeState
@@ -47,6 +48,7 @@ _FILTER_FIELDS = (
     "revoked",
     "draining",
     "maintenance_until",
+    "labels",
 )
 
 
@@ -58,10 +60,11 @@ class NodeFilter:
     model: str = ""
     search: str = ""
     show: str = "all"
+    labels: tuple[node_labels.Selector, ...] = ()
 
     @property
     def active(self) -> bool:
-        return bool(self.states or self.model or self.search or self.show != "all")
+        return bool(self.states or self.model or self.search or self.labels or self.show != "all")
 
     @property
     def needs_status(self) -> bool:
@@ -97,6 +100,7 @@ class NodeValues:
     facts: Any
     memory_reserve_bytes: int
     gpu_reserves: Any
+    labels: Any
     open_rotations: list[CertRotation] = field(default_factory=list)
 
     @property
@@ -132,12 +136,14 @@ class NodePage(Generic[Row]):
 
 
 def parse_filter(params: Any, *, search_name: str = "search") -> NodeFilter:
-    """``state``, ``model`` and ``search`` (the console calls it ``q``, with ``show``) from
-    query parameters; a bad value is a 400 naming the parameter (core.paging)."""
+    """``state``, ``model``, ``search`` (the console calls it ``q``, with ``show``) and
+    ``label`` from query parameters; a bad value is a 400 naming the parameter
+    (core.paging)."""
     return NodeFilter(
         states=paging.choices(params, "state", STATES),
         model=paging.text(params, "model"),
         search=paging.text(params, search_name, most=100),
+        labels=node_labels.parse_selectors(params),
     )
 
 
@@ -177,6 +183,8 @@ def matches(node: Node, status: NodeStatus | None, wanted: NodeFilter) -> bool:
     if wanted.states and state not in wanted.states:
         return False
     if wanted.search and not _searched(node, status, wanted.search.lower()):
+        return False
+    if wanted.labels and not node_labels.matches(node.labels, wanted.labels):
         return False
     if wanted.show == "attention":
         # Offline, Degraded, blocked, waiting for approval: anything but Online.

@@ -60,6 +60,8 @@ class Node(models.Model):
     # GPUs. A GPU absent from ``gpu_reserves`` gets DEFAULT_GPU_RESERVE_BYTES.
     memory_reserve_bytes = models.BigIntegerField(default=2 * 1024**3)
     gpu_reserves = models.JSONField(default=dict, blank=True)
+    # The operator's key=value tags, checked by nodes/labels.py (PATCH /api/nodes/{id}).
+    labels = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -17,6 +17,7 @@ from core.api_serializers import (
     JsonInt,
     JsonIntMap,
     JsonStr,
+    JsonStrMap,
     body_error,
 )
 from nodes import status_cache
@@ -25,10 +26,14 @@ from nodes.models import MasterOperation, Node
 
 
 class NodeChangeSerializer(ApiSerializer):
-    """PATCH /api/nodes/{id}: what admission keeps free."""
+    """PATCH /api/nodes/{id}: what admission keeps free, and the node's labels."""
 
     memoryReserveBytes = JsonInt(help_text="Host RAM admission keeps free, in bytes.")
     gpuReserves = JsonIntMap(help_text="Bytes kept free per GPU UUID the node reported.")
+    labels = JsonStrMap(
+        help_text="The node's labels, key to value, replacing the ones it has ({} removes "
+        'them all): at most 32; docs/operator-guide.md, "Node labels".'
+    )
 
 
 class MaintenanceSerializer(ApiSerializer):
@@ -171,6 +176,7 @@ def node_representation(node: Node | NodeValues, status: status_cache.NodeStatus
         ),
         "memoryReserveBytes": int(node.memory_reserve_bytes),
         "gpuReserves": _gpu_reserves(node),
+        "labels": dict(node.labels or {}),
         "facts": node.facts,
         "certificateNotAfter": _iso(node.cert_not_after),
         "rotation": _rotation(node),
@@ -212,6 +218,7 @@ class NodeSerializer(serializers.Serializer):
     memoryTotalBytes = serializers.IntegerField(source="memory_total_bytes", allow_null=True)
     memoryReserveBytes = serializers.IntegerField(source="memory_reserve_bytes")
     gpuReserves = serializers.SerializerMethodField()
+    labels = serializers.DictField(child=serializers.CharField(allow_blank=True))
     facts = serializers.JSONField()
     certificateNotAfter = IsoDateTime(source="cert_not_after", allow_null=True)
     rotation = serializers.SerializerMethodField()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import viewsets
@@ -19,6 +20,7 @@ from core import paging
 from core.api_serializers import INT_OR_EMPTY, errors, parse
 from core.errors import ServiceError
 from nodes import audit, listing, rotation, services, status_cache, takeover
+from nodes import labels as node_labels
 from nodes import operations as master_operations
 from nodes import status as node_status
 from nodes.agent_client import AgentClient, AgentRefused, AgentTimeout, AgentUnreachable
@@ -145,16 +147,20 @@ class NodeViewSet(viewsets.GenericViewSet):
     @extend_schema(
         request=NodeChangeSerializer,
         responses={200: NodeSerializer, **errors(400, 404)},
-        description="Change what admission keeps free: memoryReserveBytes and gpuReserves.",
+        description="Change what admission keeps free (memoryReserveBytes, gpuReserves) "
+        "and the node's labels (labels, replaced whole).",
     )
     def partial_update(self, request: Request, node_id: str) -> Response:
         body = parse(NodeChangeSerializer, request.data)
-        node = services.set_reserves(
-            node_id,
-            memory_reserve=body.get("memoryReserveBytes"),
-            gpu_reserves=body.get("gpuReserves"),
-            unknown=[],  # the serializer refused them
-        )
+        with transaction.atomic():  # a refused reserve leaves the labels as they were
+            if body.get("labels") is not None:
+                node_labels.set_labels(node_id, body["labels"])
+            node = services.set_reserves(
+                node_id,
+                memory_reserve=body.get("memoryReserveBytes"),
+                gpu_reserves=body.get("gpuReserves"),
+                unknown=[],  # the serializer refused them
+            )
         return _node_answer(node)
 
     @extend_schema(request=None, responses={200: NodeSerializer, **errors(404, 409)})

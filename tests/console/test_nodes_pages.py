@@ -337,6 +337,8 @@ def _row_variants(base: dict[str, Any]) -> list[dict[str, Any]]:
         {"stale": True, "last_seen": "2026-12-04 10:00:00 UTC", "state": "Offline"},
         {"stale": True, "last_seen": ""},
         {"draining": True, "display_name": nasty, "reasons": f"code-{nasty}"},
+        {"labels": "gpu=a100 zone=eu-1", "display_name": "rack 4"},
+        {"labels": nasty},
         {
             "maintenance_until": datetime.datetime(2026, 12, 4, 21, 7, tzinfo=datetime.UTC),
             "maintenance_reason": nasty,
