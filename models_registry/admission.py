@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from core.errors import ServiceError
 from models_registry import estimate as est
@@ -29,6 +29,13 @@ from models_registry import llamacpp
 from nodes.models import Node
 
 GIB = 1024**3
+
+
+class HasFacts(Protocol):
+    """What :func:`node_gpus` reads of a node (a ``Node``, or suggest's lighter row)."""
+
+    @property
+    def facts(self) -> Any: ...
 
 
 def gib(value: float) -> str:
@@ -122,7 +129,7 @@ def compute_estimate(
     )
 
 
-def node_gpus(node: Node, status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+def node_gpus(node: HasFacts, status: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
     """The node's GPUs by UUID: the latest heartbeat's probe, else the enrollment facts."""
     telemetry = (status or {}).get("telemetry") or {}
     gpus = telemetry.get("gpus")
@@ -143,6 +150,34 @@ def split_budget(
     return [budget * w // whole for w in weights]
 
 
+def gpu_free(gpu: Mapping[str, Any] | None, reserve: int, starting: int) -> int | None:
+    """One GPU's free bytes after its reserve and the budgets Starting on it; None where
+    the probe gave no sizes."""
+    total, used = (gpu or {}).get("memoryTotalBytes"), (gpu or {}).get("memoryUsedBytes")
+    if not isinstance(total, int) or not isinstance(used, int):
+        return None
+    return total - used - reserve - starting
+
+
+def gpu_line(
+    uuid: str, gpu: Mapping[str, Any] | None, share: int, reserve: int, starting: int
+) -> Line:
+    """The admission line of ``share`` bytes on one GPU (``gpu``: its probe, if any)."""
+    label = f"GPU {gpu.get('index')}" if gpu and gpu.get("index") is not None else uuid
+    free = gpu_free(gpu, reserve, starting)
+    return Line(label, uuid, share, free, reserve, free is not None and share <= free)
+
+
+def host_line(status: Mapping[str, Any] | None, budget: int, reserve: int, starting: int) -> Line:
+    """The admission line of ``budget`` bytes in the node's host memory."""
+    memory = ((status or {}).get("telemetry") or {}).get("memory") or {}
+    available = memory.get("availableBytes")
+    if not isinstance(available, int):
+        return Line("host memory", None, budget, None, reserve, False)
+    free = available - reserve - starting
+    return Line("host memory", None, budget, free, reserve, budget <= free)
+
+
 def check(
     *,
     node: Node,
@@ -158,13 +193,7 @@ def check(
     other instances on this node that are still Starting.
     """
     if not gpu_uuids:
-        memory = ((status or {}).get("telemetry") or {}).get("memory") or {}
-        available = memory.get("availableBytes")
-        reserve = node.memory_reserve_bytes
-        if not isinstance(available, int):
-            return [Line("host memory", None, budget, None, reserve, False)]
-        free = available - reserve - starting_budgets.get(None, 0)
-        return [Line("host memory", None, budget, free, reserve, budget <= free)]
+        return [host_line(status, budget, node.memory_reserve_bytes, starting_budgets.get(None, 0))]
     if gpu_budgets and len(gpu_budgets) != len(gpu_uuids):
         raise ServiceError(
             409,
@@ -174,18 +203,10 @@ def check(
         )
     gpus = node_gpus(node, status)
     shares = gpu_budgets or split_budget(budget, gpu_uuids, gpus, node)
-    lines = []
-    for uuid, share in zip(gpu_uuids, shares, strict=True):
-        gpu = gpus.get(uuid)
-        reserve = node.gpu_reserve(uuid)
-        label = f"GPU {gpu.get('index')}" if gpu and gpu.get("index") is not None else uuid
-        total, used = (gpu or {}).get("memoryTotalBytes"), (gpu or {}).get("memoryUsedBytes")
-        if not isinstance(total, int) or not isinstance(used, int):
-            lines.append(Line(label, uuid, share, None, reserve, False))
-            continue
-        free = total - used - reserve - starting_budgets.get(uuid, 0)
-        lines.append(Line(label, uuid, share, free, reserve, share <= free))
-    return lines
+    return [
+        gpu_line(uuid, gpus.get(uuid), share, node.gpu_reserve(uuid), starting_budgets.get(uuid, 0))
+        for uuid, share in zip(gpu_uuids, shares, strict=True)
+    ]
 
 
 def refuse_unless_fits(served_name: str, node: Node, lines: list[Line]) -> None:
