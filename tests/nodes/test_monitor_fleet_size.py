@@ -186,3 +186,29 @@ async def test_the_masters_own_node_meets_the_connect_gate_first() -> None:
             each.stop.set()
             each_task.cancel()
         await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+
+
+async def test_a_connect_leaves_the_gate_and_its_database_work_to_a_task_beside_it(
+    enrolled: Enrolled, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restart's thousand connects: the gate holds only /info and /status, and the
+    database work (model rows, facts, operations, auto-start) must not hold up the node
+    being Online or the next connect (docs/performance.md)."""
+    gate = asyncio.Semaphore(1)
+    worker = NodeWorker(node=enrolled.node, stop=asyncio.Event(), connect_gate=gate)
+    held = asyncio.Event()
+
+    async def slow_settle(info: dict[str, Any], protocol: int | None) -> None:
+        await held.wait()  # the database thread busy with a thousand other nodes
+
+    monkeypatch.setattr(worker, "settle", slow_settle)
+    try:
+        await asyncio.wait_for(worker.connect(settle=False), 10)
+        assert not gate.locked()  # the next node may connect
+        assert (await status_cache.aread("n1") or {}).get("state") == "Online"
+        assert worker.settle_task is not None and not worker.settle_task.done()
+        held.set()
+        await asyncio.wait_for(worker.settle_task, 5)
+    finally:
+        held.set()
+        await worker.client.aclose()
