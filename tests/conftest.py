@@ -102,6 +102,16 @@ def _no_cached_identity():
 
 
 @pytest.fixture(autouse=True)
+def _status_reads_not_paused():
+    """A test that makes Redis fail pauses this process's status reads for a while
+    (nodes/status_cache.py): the next test starts with live reads, whatever ran before."""
+    from nodes import status_cache
+
+    status_cache.forget()
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _no_failures_counted():
     """Failed logins and key lookups are counted in Redis across requests (and so across
     tests, all from 127.0.0.1): each test starts with none (core.throttle)."""
