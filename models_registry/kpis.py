@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
-from typing import TypedDict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, TypedDict
 
 from models_registry.models import ModelDefinition, Placement
 from nodes import stalls, telemetry
@@ -60,18 +60,26 @@ def model_flags(models: Sequence[ModelDefinition], now: float | None = None) -> 
     return out | replica_flags(replicas, statuses, now)
 
 
+_READY = InstanceState.READY  # an enum member read from its class costs a lookup each time
+
+
+def is_ready(serving: bool, instance: Mapping[str, Any] | None) -> bool:
+    """Whether a replica counts for the flags: its node serves (``serving``:
+    ``nodes.status.is_serving`` of its effective status) and it is Ready there."""
+    return serving and instance is not None and instance.get("state") == _READY
+
+
 def replica_flags(
     replicas: Iterable[tuple[int, str, str]],
     statuses: dict[str, NodeStatus],
     now: float | None = None,
 ) -> dict[int, Flags]:
     """The flagged models only, from their replicas (model id, node id, instance id) and
-    the nodes' effective statuses: a replica counts when its node serves and it is Ready;
-    one MGET of the stored flags of those replicas' nodes, each node read once and shared
-    by every model placed on it."""
-    now = time.time() if now is None else now
-    # Each serving node's instances, looked up once per node (the Overview passes every
-    # replica of the registry).
+    the nodes' effective statuses: a replica counts when it :func:`is_ready`; one MGET of
+    the stored flags of those replicas' nodes, each node read once and shared by every
+    model placed on it (:func:`ready_flags`)."""
+    # Each serving node's instances, looked up once per node (a list passes every replica
+    # of its page).
     serving = {
         node_id: status.get("instances") or {}
         for node_id, status in statuses.items()
@@ -80,11 +88,18 @@ def replica_flags(
     ready: list[tuple[int, str, str]] = []
     for model_id, node_id, instance_id in replicas:
         instances = serving.get(node_id)
-        if instances is None:
-            continue
-        instance = instances.get(instance_id) or {}
-        if instance.get("state") == InstanceState.READY:
+        if is_ready(instances is not None, (instances or {}).get(instance_id)):
             ready.append((model_id, node_id, instance_id))
+    return ready_flags(ready, now)
+
+
+def ready_flags(
+    ready: Sequence[tuple[int, str, str]], now: float | None = None
+) -> dict[int, Flags]:
+    """:func:`replica_flags` over replicas known to be Ready on a serving node (the
+    Overview finds them in its one pass over the registry): one MGET of their nodes'
+    stored flags."""
+    now = time.time() if now is None else now
     stored = stalls.flags_many(sorted({node_id for _, node_id, _ in ready}), now)
     out: dict[int, Flags] = {}
     for model_id, node_id, instance_id in ready:

@@ -12,23 +12,25 @@ The definitions are read once (a few columns), and only a ``state`` filter reads
 model's placements (one query, no list of ids: SQLite refuses an ``IN`` of thousands) and
 the statuses of their nodes (one ``read_many``); the page's models are then loaded whole
 with their placements (docs/decisions.md (Lists of a thousand nodes: all rows up to a
-cap)). :func:`read_registry` reads every placement once for the Overview, and
-:func:`restart_pending` answers the restart-pending question over it for Needs attention,
-memoizing each placement's expected fingerprint on exactly what it depends on.
+cap)). :func:`judge_registry` reads every placement once for the Overview and judges it in
+one pass: its model's replicas, whether it is Ready, and whether its restart is pending
+(for Needs attention), memoizing each placement's expected fingerprint on exactly what
+it depends on.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from django.db.models import TextField
 from django.db.models.functions import Cast
 
 from core import paging
-from models_registry import lifecycle, services
+from models_registry import kpis, lifecycle, services
 from models_registry.models import ModelDefinition, Placement
 from nodes import status as node_status
 from nodes.models import Node
@@ -141,11 +143,6 @@ def select(wanted: ModelFilter, window: paging.Window) -> ModelPage:
     return ModelPage(models=models, count=count, total=total)
 
 
-def _instance(statuses: dict[str, NodeStatus], node_id: str, instance_id: str) -> dict[str, Any]:
-    """The instance as its node reported it, {} when it did not."""
-    return ((statuses.get(node_id) or {}).get("instances") or {}).get(instance_id) or {}
-
-
 class RestartInputs(NamedTuple):
     """What a placement's expected fingerprint depends on (``lifecycle.expected_fingerprint``),
     as the database holds it (JSON as its text): the memo's key."""
@@ -184,9 +181,9 @@ FINGERPRINTS_MAX = 20_000
 _UNKNOWN = object()
 
 
-def expected_fingerprint(inputs: RestartInputs, node: Node) -> str | None:
-    """``lifecycle.expected_fingerprint`` of ``inputs``, memoized (``node``: the placement's,
-    named in a refusal's text)."""
+def expected_fingerprint(inputs: RestartInputs, node_id: str) -> str | None:
+    """``lifecycle.expected_fingerprint`` of ``inputs``, memoized (``node_id``: the
+    placement's node, named in a refusal's text)."""
     try:
         return _FINGERPRINTS[inputs]
     except KeyError:
@@ -202,7 +199,7 @@ def expected_fingerprint(inputs: RestartInputs, node: Node) -> str | None:
     placement = Placement(
         gpu_uuids=json.loads(inputs.gpu_uuids), gpu_budgets=json.loads(inputs.gpu_budgets)
     )
-    Placement._meta.get_field("node").set_cached_value(placement, node)
+    Placement._meta.get_field("node").set_cached_value(placement, Node(node_id=node_id))
     found = lifecycle.expected_fingerprint(model, placement, inputs.resolved_version)
     if len(_FINGERPRINTS) >= FINGERPRINTS_MAX:
         _FINGERPRINTS.clear()
@@ -210,62 +207,82 @@ def expected_fingerprint(inputs: RestartInputs, node: Node) -> str | None:
     return found
 
 
+class NodeRef(Protocol):
+    """What the registry read needs of a node: a ``nodes.models.Node``, or a lighter row
+    of the same columns (the Overview builds a Node only for the rows it shows)."""
+
+    node_id: str
+
+
 @dataclass(slots=True)
 class Registry:
-    """Every placement, read once for a page over the whole fleet (the Overview)."""
+    """Every placement judged against the nodes' statuses (:func:`judge_registry`), for a
+    page over the whole fleet (the Overview)."""
 
-    # Each model's replicas in placement order: services.all_replicas's answer.
+    # Each placed model's replicas in placement order (services.all_replicas's answer),
+    # the models in the definitions' order (by served name, as the database sorts).
     replicas: dict[int, list[services.Replica]]
-    # Per placement: (model id, placement id, node pk, *RestartInputs but the last).
-    placements: list[tuple[Any, ...]]
+    names: dict[int, str]  # each placed model's served name, in the same order
+    # Replicas Ready on a serving node (kpis.is_ready): (model id, node id, instance id),
+    # what kpis.ready_flags reads; their models are Ready (services.replicas_state's best).
+    ready: list[tuple[int, str, str]]
+    # The models whose restart is pending (lifecycle.restart_pending on a replica).
+    pending: set[int]
 
 
-def read_registry(nodes: dict[int, Node]) -> Registry:
+def judge_registry(nodes: Mapping[int, NodeRef], statuses: dict[str, NodeStatus]) -> Registry:
     """Every placement in one query (no ``IN`` of ids: SQLite refuses thousands), with the
-    definition's columns its expected fingerprint depends on (JSON as text). ``nodes``:
-    every node by primary key, read already (a placement on a node added since is left
-    to the next read)."""
-    rows = Placement.objects.order_by("id").values_list(
+    definition's columns its expected fingerprint depends on (JSON as text), judged in one
+    pass against the nodes' effective statuses: its model's replicas, whether it is Ready
+    for the flags, and whether its restart is pending. ``nodes``: every node by primary
+    key, read already (a placement on a node added since is left to the next read).
+
+    Each placement's instance is looked up once. Only a running replica that reported
+    its fingerprint is checked for a pending restart (``lifecycle.may_be_pending``), and
+    in a fleet that is every running one: each expected fingerprint is memoized on
+    exactly what it depends on (:func:`expected_fingerprint`), so a render compares
+    strings.
+    """
+    # Per node: its reported instances, whether it serves, its id; looked up once per row.
+    reported = {}
+    for pk, node in nodes.items():
+        status = statuses.get(node.node_id)
+        instances = (status or {}).get("instances") or {}
+        reported[pk] = (instances, node_status.is_serving(status), node.node_id)
+    # In the definitions' order (their Meta.ordering, sorted by the database's collation,
+    # which Python's sort is not), so a page lists models as a read of them would.
+    rows = Placement.objects.order_by("model__served_name", "id").values_list(
         "model_id", "id", "node_id", *_INPUT_COLUMNS
     )
     replicas: dict[int, list[services.Replica]] = {}
-    placements = []
-    for row in rows:
-        node = nodes.get(row[2])
-        if node is not None:
-            replica = (node.node_id, Placement.instance_id_of(row[0], row[1]))
-            replicas.setdefault(row[0], []).append(replica)
-            placements.append(row)
-    return Registry(replicas=replicas, placements=placements)
-
-
-def restart_pending(
-    registry: Registry, statuses: dict[str, NodeStatus], nodes: dict[int, Node]
-) -> set[int]:
-    """The models whose restart is pending (``lifecycle.restart_pending`` on a replica),
-    over the registry (:func:`read_registry`) and the nodes' statuses (``nodes``: every
-    node by primary key).
-
-    Only a running replica that reported its fingerprint is checked
-    (``lifecycle.may_be_pending``), and in a fleet that is every running one: each
-    expected fingerprint is memoized on exactly what it depends on
-    (:func:`expected_fingerprint`), so a render compares strings.
-    """
-    instances = {
-        pk: (statuses.get(n.node_id) or {}).get("instances") or {} for pk, n in nodes.items()
-    }
+    names: dict[int, str] = {}
+    ready: list[tuple[int, str, str]] = []
     pending: set[int] = set()
-    for row in registry.placements:  # thousands: plain tuples, a plain tuple as the memo's key
+    instance_id_of, is_ready = Placement.instance_id_of, kpis.is_ready
+    may_be_pending, running_version = lifecycle.may_be_pending, lifecycle.running_version
+    for row in rows:  # thousands: plain tuples, a plain tuple as the memo's key
         model_id, pk, node_pk = row[0], row[1], row[2]
-        if model_id in pending:
+        found = reported.get(node_pk)
+        if found is None:
             continue
-        inst = instances[node_pk].get(Placement.instance_id_of(model_id, pk))
-        if not inst or not lifecycle.may_be_pending(inst):
+        instances, serving, node_id = found
+        instance_id = instance_id_of(model_id, pk)
+        found_replicas = replicas.get(model_id)
+        if found_replicas is None:
+            found_replicas = replicas[model_id] = []
+            names[model_id] = row[3]  # RestartInputs.served_name
+        found_replicas.append((node_id, instance_id))
+        inst = instances.get(instance_id)
+        if not inst:
             continue
-        key = (*row[3:], lifecycle.running_version(inst))  # equal to its RestartInputs
+        if is_ready(serving, inst):
+            ready.append((model_id, node_id, instance_id))
+        if model_id in pending or not may_be_pending(inst):
+            continue
+        key = (*row[3:], running_version(inst))  # equal to its RestartInputs
         expected = _FINGERPRINTS.get(key, _UNKNOWN)
         if expected is _UNKNOWN:
-            expected = expected_fingerprint(RestartInputs(*key), nodes[node_pk])
+            expected = expected_fingerprint(RestartInputs(*key), node_id)
         if expected != inst["fingerprint"]:
             pending.add(model_id)
-    return pending
+    return Registry(replicas=replicas, names=names, ready=ready, pending=pending)

@@ -88,7 +88,8 @@ def history() -> Iterator[None]:
 
     def clear() -> None:
         client = status_cache.sync_client()
-        for prefix in (telemetry.FINE_PREFIX, telemetry.COARSE_PREFIX, stalls.FLAGS_PREFIX):
+        prefixes = (telemetry.FINE_PREFIX, telemetry.COARSE_PREFIX, telemetry.SUMS_PREFIX)
+        for prefix in (*prefixes, stalls.FLAGS_PREFIX):
             for key in client.scan_iter(f"{prefix}*"):
                 client.delete(key)
 

@@ -1,4 +1,4 @@
-"""The registry-wide restart-pending check (models_registry.listing.restart_pending, the
+"""The registry-wide restart-pending check (models_registry.listing.judge_registry, the
 Overview's) memoizes each placement's expected fingerprint on what it depends on (issue
 19). A memo keyed by less would show a stale answer: here every input is changed after
 the memo was filled, through the services and behind their back (``QuerySet.update``,
@@ -58,9 +58,9 @@ class Fleet:
 
     def pending(self) -> set[int]:
         nodes = {n.pk: n for n in Node.objects.all()}
-        registry = listing.read_registry(nodes)
+        registry = listing.judge_registry(nodes, self.statuses)
         assert registry.replicas == services.all_replicas()  # the same answer, one read
-        return listing.restart_pending(registry, self.statuses, nodes)
+        return registry.pending
 
     def one_by_one(self) -> set[int]:
         """The per-placement rule on freshly loaded rows (no memo)."""
