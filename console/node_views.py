@@ -297,13 +297,8 @@ def nodes_list(request: HttpRequest) -> HttpResponse:
     except ServiceError as exc:
         context["notice"] = exc.message
         return render(request, "console/nodes.html", context, status=exc.status)
-    rows = rows_for(found.nodes, found.statuses)
-    # One token for the page (the context processor's would be masked anew per render).
-    token = get_token(request)
     context.update(
-        nodes=rows,
-        rows_html=rows_html(rows, csrf_input(token)) if rows else None,
-        csrf_token=token,
+        **table_context(request, rows_for(found.nodes, found.statuses)),
         total=found.total,
         filtered=wanted.active or page.number > 1,
         pager=pager.links(request.GET, page, found.count),
@@ -421,10 +416,11 @@ def node_history(request: HttpRequest, node_id: str) -> HttpResponse:
 
 # -- The list's rows as HTML, written in Python -------------------------------------------
 #
-# Django's template engine spent about 80% of the Nodes page's time on node_row.html's
+# Django's template engine spent about 80% of the Nodes page's time on a row template's
 # 200 rows (some 15,000 variable lookups and escapes; issue 19). These functions write
-# the same markup from the same row dicts; tests/console/test_nodes_pages.py holds them
-# byte-equal to node_row.html, which the Overview's table still renders.
+# every list row (the Nodes page, the Overview, the live row fragment) from the row
+# dicts; tests/console/test_nodes_pages.py holds them byte-equal to the template they
+# replaced (tests/console/node_row_reference.html) over every branch.
 
 _VALUES = Context()  # autoescape on, the settings' localization: as a page's context
 _ERROR_CLASS = ' class="error"'
@@ -514,7 +510,7 @@ def csrf_input(token: str) -> str:
 
 
 def row_html(n: dict[str, Any], csrf: str) -> str:
-    """One :func:`node_row` as console/node_row.html writes it; ``csrf`` is
+    """One :func:`node_row` as a ``<tr>``; ``csrf`` is
     :func:`csrf_input`'s answer for the page's token."""
     node_id = _e(n["node_id"])
     url = _e(n["url"])
@@ -578,6 +574,13 @@ def row_html(n: dict[str, Any], csrf: str) -> str:
 
 
 def rows_html(rows: list[dict[str, Any]], csrf: str) -> SafeString:
-    """The list's rows as nodes_table.html's loop writes them (each followed by its
-    indent); empty for no rows (the template writes its empty row then)."""
+    """The table's rows (each followed by its indent); empty for no rows (nodes_table.html
+    writes its empty row then)."""
     return SafeString("".join(row_html(n, csrf) + "\n  " for n in rows))
+
+
+def table_context(request: HttpRequest, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """What nodes_table.html takes for ``rows`` (the Nodes page's, the Overview's)."""
+    # One token for the page (the context processor's would be masked anew per render).
+    token = get_token(request)
+    return {"nodes": rows, "rows_html": rows_html(rows, csrf_input(token)), "csrf_token": token}

@@ -198,10 +198,15 @@ def _models(
 def overview(request: HttpRequest) -> HttpResponse:
     """Tiles (nodes by state, models, requests per minute, tokens per second, queue) and
     what needs the operator's attention, each line linking to its page; then the fleet."""
+    fleet = _fleet()
     return render(
         request,
         "console/overview.html",
-        {**_fleet(), "restarts": supervision.restart_lines(settings.MIRBAD.run_dir)},
+        {
+            **fleet,
+            **node_views.table_context(request, fleet["nodes"]),
+            "restarts": supervision.restart_lines(settings.MIRBAD.run_dir),
+        },
     )
 
 

@@ -4,7 +4,7 @@
 //
 // A row is never assembled here from pieces: when a node appears or changes state,
 // reasons, approval or draining, its <tr> is fetched as the server renders it
-// (/nodes/<id>/row/, console/templates/console/node_row.html), so a live row equals a
+// (/nodes/<id>/row/, console/node_views.py row_html), so a live row equals a
 // reloaded one, Approve button included. Only the numbers that change every 5 s (CPU,
 // RAM, last seen) are written in place, in the markup bar.html prints.
 (function () {
