@@ -91,7 +91,10 @@ def test_slowloris_does_not_slow_normal_requests_and_big_heads_are_431(make_stac
     )
     assert attack.opened == SLOW_CONNECTIONS
     assert seen["minOpen"] >= SLOW_CONNECTIONS * 0.9, seen  # held open throughout
-    assert l99 <= 2 * u99, (u99, l99)
+    # Twice the quiet p99, or 10 ms over it: on CI's two shared cores one scheduling
+    # hiccup moves a 7 ms p99 by more than 7 ms (it failed once so, at 68 % of a run);
+    # what this guards against, requests queued behind held connections, costs seconds.
+    assert l99 <= max(2 * u99, u99 + 0.010), (u99, l99)
     # The 10 s head deadline cut them (408), not something sooner or later.
     assert seen["closed"] >= SLOW_CONNECTIONS * 0.9, seen
     assert seen["answers"].get("408", 0) >= seen["closed"] * 0.9, seen
