@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 from collections.abc import AsyncIterator
@@ -69,3 +70,11 @@ async def start_enrolled(
 async def enrolled(tmp_path: Path) -> AsyncIterator[Enrolled]:
     async with start_enrolled(tmp_path) as running:
         yield running
+
+
+async def stop_workers(monitor: Any) -> None:
+    """Stop every worker of a test's Monitor and wait for them to end."""
+    for worker, task in monitor.workers.values():
+        worker.stop.set()
+        task.cancel()
+    await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)

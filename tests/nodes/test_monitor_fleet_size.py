@@ -20,7 +20,7 @@ from nodes import status_cache
 from nodes.models import Node
 from nodes.monitor import Monitor, NodeWorker
 from tests.factories import make_node
-from tests.nodes.conftest import Enrolled
+from tests.nodes.conftest import Enrolled, stop_workers
 
 pytestmark = [
     pytest.mark.django_db(transaction=True),
@@ -79,10 +79,7 @@ async def test_refresh_follows_again_a_node_whose_worker_ended() -> None:
         again, running = monitor.workers["n1"]
         assert again is not worker and not running.done()
     finally:
-        for each, each_task in monitor.workers.values():
-            each.stop.set()
-            each_task.cancel()
-        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+        await stop_workers(monitor)
 
 
 async def test_a_failed_status_write_keeps_the_agent_connection(
@@ -152,10 +149,7 @@ async def test_a_notification_reads_its_node_only(monkeypatch: pytest.MonkeyPatc
         await monitor.node_changed("n2")
         assert monitor.workers["n2"] is not others and read == [0, 1]
     finally:
-        for each, each_task in monitor.workers.values():
-            each.stop.set()
-            each_task.cancel()
-        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+        await stop_workers(monitor)
 
 
 async def test_the_masters_own_node_meets_the_connect_gate_first() -> None:
@@ -182,10 +176,7 @@ async def test_the_masters_own_node_meets_the_connect_gate_first() -> None:
         by_task = {task: node_id for node_id, (_, task) in monitor.workers.items()}
         assert [by_task.get(t) for t in entered[:4]] == ["zz-local", "a1", "a2", "a3"]
     finally:
-        for each, each_task in monitor.workers.values():
-            each.stop.set()
-            each_task.cancel()
-        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+        await stop_workers(monitor)
 
 
 async def test_a_connect_leaves_the_gate_and_its_database_work_to_a_task_beside_it(

@@ -16,6 +16,7 @@ from nodes import status_cache
 from nodes.monitor import Monitor
 from nodes.status_writer import DirectWriter, GroupWriter
 from tests.factories import make_node
+from tests.nodes.conftest import stop_workers
 
 pytestmark = pytest.mark.usefixtures("status_redis")
 
@@ -122,7 +123,4 @@ async def test_the_monitors_workers_share_its_writer(client: Any) -> None:
         assert {id(w.writer) for w, _ in monitor.workers.values()} == {id(monitor.writer)}
         assert isinstance(monitor.writer, GroupWriter)
     finally:
-        for each, each_task in monitor.workers.values():
-            each.stop.set()
-            each_task.cancel()
-        await asyncio.gather(*(t for _, t in monitor.workers.values()), return_exceptions=True)
+        await stop_workers(monitor)
