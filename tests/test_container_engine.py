@@ -7,7 +7,6 @@ chat completion; the mount is read-only as the runtime reports it."""
 from __future__ import annotations
 
 import secrets
-import socket as socketlib
 import time
 from pathlib import Path
 
@@ -17,14 +16,9 @@ import pytest
 from protocol.tinygguf import write_tiny_gguf
 from tests.containers import engine_image, podman_socket
 from tests.e2e.conftest import llama_server_or_fail
+from tests.parallel import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_the_engine_image_serves_from_a_read_only_mount(tmp_path: Path) -> None:
@@ -37,7 +31,7 @@ def test_the_engine_image_serves_from_a_read_only_mount(tmp_path: Path) -> None:
         image = engine_image(server, env, tmp_path / "image")
         client = docker.DockerClient(base_url=f"unix://{sock}", timeout=60)
         key = secrets.token_hex(16)
-        port = _free_port()
+        port = free_port()
         container = client.containers.run(
             image,
             command=["--model", "/models/tiny/tiny.gguf", "--host", "0.0.0.0", "--port", "8080",

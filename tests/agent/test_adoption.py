@@ -37,6 +37,7 @@ from agent.engines._spec import parse_launch_spec
 from agent.engines.process._reconcile import argv_digest, matches_record, observe
 from agent.engines.process._runtime import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
 from protocol.tinygguf import write_tiny_gguf
+from tests.parallel import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,12 +80,6 @@ def spawned() -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,14 +14,10 @@ import aiohttp
 import pytest
 from agent_support import Pki, client_context, make_identity, master_headers
 
+from tests.parallel import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_config(tmp_path: Path, state: Path, port: int, node_id: str = "n1") -> Path:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -30,16 +29,11 @@ from agent.http._server import AgentServer
 from protocol.engine_flags import ENGINE_FLAG_TABLES, EngineFlags, engine_flags
 from protocol.tinygguf import write_tiny_gguf
 from tests.engine_flag_attacks import BYPASSES, ISSUE_ATTACKS, MCP_JSON
+from tests.parallel import free_port
 
 pytestmark = pytest.mark.timeout(30)
 
 BUILDER_ARGS = launch_body()["args"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,14 +27,11 @@ import psutil
 import pytest
 
 from protocol.tinygguf import write_tiny_gguf
+from tests.parallel import free_port, stack_redis_url
+
+__all__ = ["free_port"]  # the e2e tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def llama_server_or_fail() -> Path:
@@ -257,12 +253,12 @@ def make_stack(tmp_path: Path) -> Iterator:  # type: ignore[type-arg]
             if created:
                 databases.append(created)
                 env["MIRBAD_DATABASE_URL"] = created[1]
-            if env.get("MIRBAD_REDIS_URL", "").startswith("redis://"):
-                # A database of its own on the shared server, emptied first.
+            if env.get("MIRBAD_REDIS_URL") and stack_redis_url():
+                # A database of its own on the shared server (this worker's: tests.parallel),
+                # emptied first.
                 import redis
 
-                url = urlsplit(env["MIRBAD_REDIS_URL"])
-                env["MIRBAD_REDIS_URL"] = urlunsplit(url._replace(path="/2"))
+                env["MIRBAD_REDIS_URL"] = stack_redis_url()
                 redis.Redis.from_url(env["MIRBAD_REDIS_URL"]).flushdb()
         stack = Stack(data, env)
         stacks.append(stack)

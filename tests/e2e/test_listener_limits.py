@@ -91,10 +91,13 @@ def test_slowloris_does_not_slow_normal_requests_and_big_heads_are_431(make_stac
     )
     assert attack.opened == SLOW_CONNECTIONS
     assert seen["minOpen"] >= SLOW_CONNECTIONS * 0.9, seen  # held open throughout
-    # Twice the quiet p99, or 10 ms over it: on CI's two shared cores one scheduling
-    # hiccup moves a 7 ms p99 by more than 7 ms (it failed once so, at 68 % of a run);
-    # what this guards against, requests queued behind held connections, costs seconds.
-    assert l99 <= max(2 * u99, u99 + 0.010), (u99, l99)
+    # What this guards against is a request queued behind the held connections: it
+    # waits for their 10 s head deadline. So the bound is far from any scheduling
+    # hiccup (a p99 of a few ms against a quiet one measured beside it failed CI on
+    # shared cores twice): no request waited a tenth of that deadline, and the median
+    # stayed within 50 ms of the quiet one. How fast /healthz is, is bench/'s question.
+    assert max(loaded) < 1.0, (u99, l99, max(loaded))
+    assert l50 <= u50 + 0.050, (u50, l50)
     # The 10 s head deadline cut them (408), not something sooner or later.
     assert seen["closed"] >= SLOW_CONNECTIONS * 0.9, seen
     assert seen["answers"].get("408", 0) >= seen["closed"] * 0.9, seen

@@ -1,10 +1,12 @@
 """The fair queue across two real web processes in front of a real llama-server.
 
-The model has two slots (``parallel: 2``). Twelve streamed requests arrive at once,
-half through each web process: every one is answered, the ones that waited say so
-in ``x-mirbad-queue-ms``, and llama-server itself never holds more than its two
-slots (its own /metrics: requests processing at most 2, none deferred), which is
-what the queue is for.
+The model has two slots (``parallel: 2``). Two long streams take both slots (with
+``ignore_eos`` they cannot end early); once llama-server says both are busy, ten
+more requests arrive, half through each web process. Every one is answered, each
+of the ten waited and says so in ``x-mirbad-queue-ms``, and llama-server itself
+never holds more than its two slots (its own /metrics: requests processing at most
+2, none deferred), which is what the queue is for. Nothing here depends on how
+fast the requests arrive: the ten are sent only after the slots are seen full.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import create_and_start, llama_server_or_fail
+from tests.e2e.conftest import create_and_start, llama_server_or_fail, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +54,7 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
             "servedName": "tiny",
             "sourceFolder": "tiny",
             "sourceFile": "tiny.gguf",
-            "settings": {"context_size": 256, "gpu_layers": 0, "parallel": 2},
+            "settings": {"context_size": 8192, "gpu_layers": 0, "parallel": 2},
             "node": "local",
         },
     )
@@ -86,40 +88,58 @@ def test_two_web_processes_never_send_the_engine_more_than_its_slots(
                     most["deferred"] = max(most["deferred"], _gauge(text, "requests_deferred"))
                     time.sleep(0.005)
 
-        results: list[tuple[int, float | None, bool]] = []
+        results: dict[int, tuple[int, float | None, bool]] = {}
+        # The long ones: 3,000 tokens each (4,096 a slot), a second or more of work
+        # even at the tiny model's full speed, while the ten short ones need
+        # milliseconds to arrive.
+        long_ones = (0, 1)
 
         def one(i: int) -> None:
-            with httpx.Client(timeout=120) as client, client.stream(
-                "POST",
-                f"{urls[i % 2]}/v1/chat/completions",
-                headers={"Authorization": f"Bearer {keys[i % 2]}"},
-                json={"model": "tiny", "stream": True, "max_tokens": 24,
-                      "messages": [{"role": "user", "content": f"count {i}"}]},
-            ) as response:  # fmt: skip
-                body = b"".join(response.iter_bytes())
+            body = {"model": "tiny", "stream": True,
+                    "messages": [{"role": "user", "content": f"count {i}"}]}  # fmt: skip
+            body |= (
+                {"max_tokens": 3000, "ignore_eos": True} if i in long_ones else {"max_tokens": 24}
+            )
+            with (
+                httpx.Client(timeout=120) as client,
+                client.stream(
+                    "POST",
+                    f"{urls[i % 2]}/v1/chat/completions",
+                    headers={"Authorization": f"Bearer {keys[i % 2]}"},
+                    json=body,
+                ) as response,
+            ):
+                whole = b"".join(response.iter_bytes())
                 queued = response.headers.get("x-mirbad-queue-ms")
-                # The tiny model may stop early: a whole stream ends in [DONE] either way.
-                results.append(
-                    (response.status_code, float(queued) if queued else None, b"[DONE]" in body)
+                # The tiny model may stop a short one early: a whole stream ends in [DONE].
+                results[i] = (
+                    response.status_code,
+                    float(queued) if queued else None,
+                    b"[DONE]" in whole,
                 )
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        clients = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+        clients = [threading.Thread(target=one, args=(i,)) for i in long_ones]
         for thread in clients:
             thread.start()
-        for thread in clients:
+        wait_for(lambda: most["processing"] == 2 or sampler_errors, 60, "both slots busy")
+        assert not results, f"a long stream ended before the slots were seen full: {results}"
+        later = [threading.Thread(target=one, args=(i,)) for i in range(2, 12)]
+        for thread in later:
+            thread.start()
+        for thread in clients + later:
             thread.join(timeout=180)
         sampling = False
         sampler.join(timeout=10)
 
-        assert len(results) == 12
-        assert all(status == 200 for status, _, _ in results), results
-        assert all(done for _, _, done in results), results
-        waits = sorted(q for _, q, _ in results if q is not None)
-        assert len(waits) == 12, "every answer carries x-mirbad-queue-ms"
-        # Two slots, twelve requests at once: at least ten of them waited for one.
-        assert sum(1 for w in waits if w > 1.0) >= 10, waits
+        assert sorted(results) == list(range(12)), results
+        assert all(status == 200 for status, _, _ in results.values()), results
+        assert all(done for _, _, done in results.values()), results
+        assert all(results[i][1] is not None for i in results), "every answer says its wait"
+        waits = sorted(results[i][1] or 0.0 for i in range(2, 12))
+        # Both slots were busy when each of the ten arrived: every one of them waited.
+        assert all(w > 1.0 for w in waits), waits
         print(f"queue waits (ms): {waits}; engine at most {most}")
         assert not sampler_errors, sampler_errors
         # Both slots were seen busy (the sampling works), never a third, nothing deferred.

@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -21,6 +20,7 @@ import pytest
 from protocol.tinygguf import write_tiny_gguf
 from router.sse import StreamFilter, UsageSniffer
 from router.transform import prepare, transform_embeddings
+from tests.parallel import free_port
 from tests.router.test_transform import _normalise
 
 pytestmark = pytest.mark.slow
@@ -34,14 +34,8 @@ def exe() -> Path:
     return Path(value)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(exe: Path, model: Path, log: Path, *extra: str) -> Iterator[str]:
-    port = _free_port()
+    port = free_port()
     argv = [str(exe), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["-c", "256", "-np", "1", "--no-webui", *extra]
     with log.open("wb") as out:
