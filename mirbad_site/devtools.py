@@ -143,9 +143,10 @@ def _answers(port: int) -> bool:
         return False
 
 
-# pytest-xdist workers: the e2e tests mostly wait on the processes they start, so more
-# workers than cores pay (docs/performance.md, "The suite"); tests/parallel.py caps them.
-DEFAULT_WORKERS = 4
+# pytest-xdist workers (tests/parallel.py caps them at 6). One process by default for
+# now: a first whole run on 4 workers failed e2e tests on these two cores, not yet
+# read (docs/decisions.md D149); MIRBAD_TEST_WORKERS=4 runs in parallel.
+DEFAULT_WORKERS = 0
 
 
 def parallel_args(args: list[str]) -> list[str]:
@@ -157,6 +158,8 @@ def parallel_args(args: list[str]) -> list[str]:
     if chosen:
         return []
     workers = os.environ.get("MIRBAD_TEST_WORKERS", str(DEFAULT_WORKERS))
+    if workers == "0":
+        return []
     # The slow tests come first (tests/conftest.py); two at a time per worker keeps a long
     # e2e test from holding a queue of others behind it while a worker idles.
     return ["-n", workers, "--dist", "load", "--maxschedchunk", "2"]

@@ -24,6 +24,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """The slow tests first, the longest of them first (``SLOWEST_FILES``), the rest in
     file order: the xdist workers then start on the few long tests and fill in with the
     many short ones, so no worker is left with a long test at the end."""
+    import os
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # one process: file order, as the suite has always run
     rank = {name: i for i, name in enumerate(SLOWEST_FILES)}
 
     def key(item: pytest.Item) -> tuple[int, int]:
