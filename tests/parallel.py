@@ -47,8 +47,10 @@ def _with_db(url: str, db: int) -> str:
     if parts.scheme in ("redis", "rediss"):
         return urlunsplit(parts._replace(path=f"/{db}"))
     # unix:///path/redis.sock?db=N is redis-py's way to pick a database over a socket.
+    # Built by hand: urlunsplit drops the empty host and writes unix:/path.
     query = "&".join(p for p in parts.query.split("&") if p and not p.startswith("db="))
-    return urlunsplit(parts._replace(query=f"{query}&db={db}" if query else f"db={db}"))
+    base = url.split("?", 1)[0].split("#", 1)[0]
+    return f"{base}?{query}&db={db}" if query else f"{base}?db={db}"
 
 
 def _apply() -> None:

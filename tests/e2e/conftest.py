@@ -289,7 +289,15 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.25):
 
 
 def create_and_start(api: httpx.Client, body: dict[str, Any], *, timeout: float = 60) -> int:
-    """Create a model from ``body``, start it and wait until it is Ready; returns its id."""
+    """Create a model from ``body``, start it and wait until it is Ready; returns its id.
+
+    A llama.cpp model gets one thread unless the body says otherwise: llama-server takes
+    a thread per core by default, and its threads wait for each other by spinning, so
+    two of them on two cores shared with another test (or a busy core) make every token
+    wait for the scheduler; the tiny model needs no more than one.
+    """
+    if body.get("runtime", "llamacpp") == "llamacpp":
+        body = {**body, "settings": {"threads": 1, **body.get("settings", {})}}
     created = api.post("/api/models", json=body)
     assert created.status_code == 201, created.text
     model_id = created.json()["id"]
