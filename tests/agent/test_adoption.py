@@ -7,6 +7,8 @@ the processes are started by the test (so only pids this test owns are ever sign
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -165,6 +167,36 @@ def test_argv_digest_and_script_program(fake_engine: ExecutableEntry, tmp_path: 
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_process_whose_argument_is_a_fifo_or_a_descriptor_does_not_hang_a_scan(
+    tmp_path: Path,
+) -> None:
+    """observe() reads argv[1] of any process to tell a script; a FIFO there blocked the
+    scan forever, and /dev/fd/N named the scanner's own descriptor."""
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    # Python blocks opening its "script" (a FIFO nobody writes): alive, argv[1] the FIFO.
+    procs = [
+        subprocess.Popen([sys.executable, str(fifo)]),
+        subprocess.Popen([sys.executable, "/dev/fd/0"], stdin=subprocess.PIPE),
+    ]
+    try:
+        for proc in procs:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                future = pool.submit(observe, proc.pid)
+                try:
+                    obs = future.result(timeout=10)
+                except concurrent.futures.TimeoutError:
+                    with contextlib.suppress(OSError):  # free the thread
+                        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                    pytest.fail(f"observe() hung on {proc.args}")
+            assert obs is not None
+            assert obs.program == Path(sys.executable).resolve(), proc.args
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
 
 
 async def test_gone_and_reused_pids_read_stopped_and_are_not_killed(

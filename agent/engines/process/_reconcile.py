@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -79,11 +80,25 @@ def is_under(path: Path, folders: Iterable[Path]) -> bool:
 
 
 def _is_script(path: str) -> bool:
+    """Whether ``path``, an argument of some process on this machine, is a ``#!`` file.
+
+    The path comes from another process's argv: ``/dev/fd/3`` or ``/proc/self/...``
+    there name this process's own descriptors here (reading one stole bytes from a pipe
+    and hung a scan), and a FIFO or a device can block on open or read. Only a regular
+    file, opened without blocking, can be a script.
+    """
+    if path.startswith(("/dev/", "/proc/")):
+        return False
     try:
-        with open(path, "rb") as handle:
-            return handle.read(2) == b"#!"
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
     except OSError:
         return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 2) == b"#!"
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _program(exe: Path, cmdline: list[str], targets: Iterable[Path]) -> tuple[Path, list[str]]:
