@@ -193,7 +193,10 @@ def lanes(args: list[str]) -> list[tuple[str, list[str]]]:
     if narrowed:
         return [("", [*parallel_args(args), *args])]
     return [
-        ("quick tests (-m 'not slow')", [*parallel_args(args), "-m", "not slow", *args]),
+        (
+            "quick tests (-m 'not slow')",
+            [*parallel_args(args), "-m", "not slow", *args],
+        ),
         ("slow tests (-m slow)", [*parallel_args(args, slow=True), "-m", "slow", *args]),
     ]
 

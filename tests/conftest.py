@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 from django.contrib.auth import get_user_model
 from rest_framework.test import APIClient
@@ -55,6 +57,15 @@ SLOWEST_FILES = (
     "test_up_supervision.py",
     "test_listener_limits.py",
 )
+
+
+@pytest.fixture(scope="module")
+def podman_serial() -> Iterator[None]:
+    """One module at a time across the xdist workers uses Podman (tests/containers.py)."""
+    from tests.containers import podman_serial_lock
+
+    with podman_serial_lock():
+        yield
 
 
 @pytest.fixture

@@ -12,12 +12,15 @@ Both fail, never skip, when Podman is missing: `./mirbad test` installs it.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
 import shutil
 import subprocess
 import tarfile
+import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,6 +33,37 @@ default_ulimits = ["nofile=1024:1024", "nproc=1024:1024"]
 runtime = "runc"
 """
 ENGINE_DIR = "/opt/llama"
+
+
+# Podman keeps one image store and one container namespace per machine, and its tests
+# name their containers and clear every container labelled as a node's: two xdist workers
+# running them at once break each other. Each module that uses Podman holds this lock
+# for as long as its module fixtures live (``pytestmark =
+# pytest.mark.usefixtures("podman_serial")``); it is re-entrant within a worker, which may
+# interleave two such modules, and a worker waiting on it waits for another worker's
+# module to finish, never for itself.
+_LOCK_PATH = Path(tempfile.gettempdir()) / "mirbad-tests-podman.lock"
+_lock_state = {"depth": 0, "fd": -1}
+_lock_guard = threading.Lock()
+
+
+@contextlib.contextmanager
+def podman_serial_lock() -> Iterator[None]:
+    """Hold the machine-wide Podman test lock (re-entrant in this process)."""
+    with _lock_guard:
+        if _lock_state["depth"] == 0:
+            fd = os.open(_LOCK_PATH, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock_state["fd"] = fd
+        _lock_state["depth"] += 1
+    try:
+        yield
+    finally:
+        with _lock_guard:
+            _lock_state["depth"] -= 1
+            if _lock_state["depth"] == 0:
+                os.close(_lock_state["fd"])  # closing the descriptor releases the flock
+                _lock_state["fd"] = -1
 
 
 def podman_env(folder: Path, registries: Sequence[str] = ()) -> dict[str, str]:

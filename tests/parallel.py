@@ -12,7 +12,9 @@ worker's values must be in place before that. A worker ``gw<k>`` gets:
   test database: ``test_<name>_gw<k>``);
 - its own block of TCP ports, below the kernel's ephemeral range (``free_port``): a port
   handed out is never handed out again in this run by any worker, and one that an
-  outgoing connection took meanwhile is not free, so it is skipped.
+  outgoing connection took meanwhile is not free, so it is skipped. The top
+  ``ENGINE_PORTS`` of the block are its agents' engine ports (``engine_port_range``;
+  ``engine_port_env`` for an agent process).
 
 Without xdist (``-n 0``) the process is worker 0 of one.
 """
@@ -81,8 +83,14 @@ def stack_redis_url() -> str | None:
     return os.environ.get("MIRBAD_TEST_STACK_REDIS_URL")
 
 
+# The top of each worker's block is its agents' engine ports (PortRangeStart..End):
+# every agent on a worker, in this process or started by an e2e stack, takes its engine
+# ports from there, so two workers' engines never race for the same free port.
+ENGINE_PORTS = 600
 _span = (PORT_HIGH - PORT_LOW) // MAX_WORKERS
-_block = range(PORT_LOW + worker_index() * _span, PORT_LOW + (worker_index() + 1) * _span)
+_start = PORT_LOW + worker_index() * _span
+_block = range(_start, _start + _span - ENGINE_PORTS)
+_engine_block = range(_block.stop, _start + _span)
 _next = itertools.cycle(_block)
 _lock = threading.Lock()
 
@@ -106,3 +114,14 @@ def free_port() -> int:
             if _bindable(port):
                 return port
     raise RuntimeError(f"no free port in {_block.start}-{_block.stop - 1}")
+
+
+def engine_port_range() -> tuple[int, int]:
+    """This worker's agents' PortRangeStart and PortRangeEnd (both included)."""
+    return _engine_block.start, _engine_block.stop - 1
+
+
+def engine_port_env() -> dict[str, str]:
+    """The same range as the agent's environment overrides, for an agent process."""
+    start, end = engine_port_range()
+    return {"MIRBAD_AGENT_PORT_RANGE_START": str(start), "MIRBAD_AGENT_PORT_RANGE_END": str(end)}

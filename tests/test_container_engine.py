@@ -18,7 +18,8 @@ from tests.containers import engine_image, podman_socket
 from tests.e2e.conftest import llama_server_or_fail
 from tests.parallel import free_port
 
-pytestmark = pytest.mark.slow
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("podman_serial")]
 
 
 def test_the_engine_image_serves_from_a_read_only_mount(tmp_path: Path) -> None:

@@ -50,6 +50,8 @@ def test_a_choice_of_tests_or_workers_is_one_run(args: list[str]) -> None:
 def test_a_chosen_worker_count_is_left_alone() -> None:
     ((_, run_args),) = devtools.lanes(["-n", "0"])
     assert run_args == ["-n", "0"]
+    ((_, run_args),) = devtools.lanes(["-n2", "--dist", "loadfile"])
+    assert run_args == ["-n2", "--dist", "loadfile"]
 
 
 def test_the_worker_counts_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -34,6 +34,7 @@ from download_support import bus, hub, make_manager, manager, tiny_gguf  # noqa:
 
 from agent._config import AgentConfig, ExecutableEntry
 from agent.http._server import AgentServer
+from tests.parallel import engine_port_range
 
 
 @pytest.fixture(scope="session")
@@ -72,8 +73,8 @@ def make_config(state_dir: Path, models_root: Path) -> Callable[..., AgentConfig
             state_directory=state_dir,
             models_root=models_root,
             port=0,
-            port_range_start=18100,
-            port_range_end=18999,
+            port_range_start=engine_port_range()[0],
+            port_range_end=engine_port_range()[1],
             health_check_interval_seconds=60,
             # Tests must not leave engines behind; the default (false) is tested explicitly.
             stop_instances_on_shutdown=True,

@@ -39,7 +39,7 @@ from agent.engines._spec import parse_launch_spec
 from agent.engines.process._reconcile import argv_digest, matches_record, observe
 from agent.engines.process._runtime import GONE_ERROR, PENDING_STOPPED_ERROR, ProcessRuntime
 from protocol.tinygguf import write_tiny_gguf
-from tests.parallel import free_port
+from tests.parallel import engine_port_range, free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -391,8 +391,8 @@ async def test_kill_9_of_the_agent_then_restart_adopts_the_engine(
                 "StateDirectory": str(state),
                 "ModelsRoot": str(models_root),
                 "Port": port,
-                "PortRangeStart": 18100,
-                "PortRangeEnd": 18999,
+                "PortRangeStart": engine_port_range()[0],
+                "PortRangeEnd": engine_port_range()[1],
                 "Executables": [{"Name": "llama.cpp", "Version": version, "Path": str(exe_path)}],
             }
         )

@@ -22,7 +22,8 @@ from agent._config import AgentConfig
 from protocol.tinygguf import write_tiny_gguf
 from tests.containers import engine_image, podman_socket
 
-pytestmark = pytest.mark.slow
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("podman_serial")]
 
 NODE_LABEL = "io.mirbad.node"
 DIGEST = "sha256:" + "ab" * 32

@@ -31,7 +31,8 @@ from protocol.tinygguf import write_tiny_gguf
 from tests.containers import engine_image, podman_env, podman_socket
 from tests.fakeregistry import BlobHooks, FakeRegistry, OciImage, export_oci_dir
 
-pytestmark = pytest.mark.slow
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("podman_serial")]
 
 NODE_LABEL = "io.mirbad.node"
 REPOSITORY = "mirbad/engine"

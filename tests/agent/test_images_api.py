@@ -24,7 +24,8 @@ from agent.engines.container import _images
 from agent.http._server import AgentServer
 from tests.containers import engine_image, podman_socket
 
-pytestmark = pytest.mark.slow
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("podman_serial")]
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 ALIAS = ("localhost/mirbad-test-images", "alias")

@@ -24,6 +24,7 @@ from agent.engines._executables import Catalogue, write_manifest
 from agent.engines.process._handle import AdoptedProcess, EngineProcess
 from agent.engines.process._runtime import ProcessRuntime
 from agent.state._events import EventBus
+from tests.parallel import engine_port_range
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
@@ -80,7 +81,8 @@ async def test_ready_and_secrets_stay_out_of_argv(runtime_factory: Any, state_di
         ready = await wait_state(runtime, "m-1", "Ready")
         states = [(await events.get()).data["state"] for _ in range(2)]  # type: ignore[union-attr]  # None only once unsubscribed
     assert states == ["Starting", "Ready"]
-    assert 18100 <= ready["port"] <= 18999
+    low, high = engine_port_range()
+    assert low <= ready["port"] <= high
     assert ready["pid"] and ready["readyAt"] and ready["fingerprint"].startswith("sha256:")
     assert "apiKey" not in ready
     key = runtime.get("m-1").key

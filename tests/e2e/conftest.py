@@ -27,7 +27,7 @@ import psutil
 import pytest
 
 from protocol.tinygguf import write_tiny_gguf
-from tests.parallel import free_port, stack_redis_url
+from tests.parallel import engine_port_env, free_port, stack_redis_url
 
 __all__ = ["free_port"]  # the e2e tests import it from here
 
@@ -49,8 +49,10 @@ def llama_server_or_fail() -> Path:
 
 
 def outside_env() -> dict[str, str]:
-    """This process's environment without any MIRBAD_ setting."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+    """This process's environment without any MIRBAD_ setting, but for this worker's
+    engine ports (tests.parallel): an agent started with it launches engines there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MIRBAD_")}
+    return env | engine_port_env()
 
 
 def install_llama_server(runtimes: Path, env: dict[str, str]) -> Path:

@@ -46,7 +46,8 @@ from tests.e2e.conftest import (
 )
 
 # A cold cache builds the root file system and the images first (docs/deploy.md).
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.usefixtures("podman_serial")]
 
 FILES = ("docker-compose.yml", "deploy/compose/local-images.yml")
 SERVICES = ("db", "redis", "migrate", "web", "enroll", "monitor", "worker", "beat", "agent")

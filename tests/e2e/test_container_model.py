@@ -29,7 +29,8 @@ import pytest
 from tests.containers import engine_image, podman_socket
 from tests.e2e.conftest import ROOT, llama_server_or_fail, wait_for
 
-pytestmark = pytest.mark.slow
+# Podman's store and container names are one per machine (tests/containers.py).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("podman_serial")]
 
 NODE_LABEL = "io.mirbad.node"
 OTHER_DIGEST = "sha256:" + "cd" * 32

@@ -35,6 +35,7 @@ from agent.http._server import AgentServer
 from protocol.engine_flags import EngineFlags, FloatRange, IntRange, engine_flags
 from tests.e2e.conftest import ROOT, llama_server_or_fail
 from tests.e2e.test_engine_flags_help import parse_help, read_help
+from tests.parallel import engine_port_range
 
 # The agent tests' helpers live beside them without a package (pytest puts their folder
 # on sys.path the same way when it collects them).
@@ -282,8 +283,8 @@ async def _agent(
         state_directory=state,
         models_root=tmp_path / "models",
         port=0,
-        port_range_start=18100,
-        port_range_end=18999,
+        port_range_start=engine_port_range()[0],
+        port_range_end=engine_port_range()[1],
         stop_instances_on_shutdown=True,
         executables=(entry,),
     )
