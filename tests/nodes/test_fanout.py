@@ -109,7 +109,8 @@ async def test_the_node_page_registers_and_leaves_and_the_fleet_page_unpacks_bat
     node_page.scope["url_route"] = {"kwargs": {"node_id": "a"}}
     connected, _ = await node_page.connect()
     assert connected
-    assert await fanout.awatched() == {"a"}
+    # The consumer registers right after it accepts, so connect() may return first.
+    await _watched_becomes({"a"})
     fleet_page = WebsocketCommunicator(FleetConsumer.as_asgi(), "/ws/fleet/")
     fleet_page.scope["user"] = operator
     connected, _ = await fleet_page.connect()
@@ -129,8 +130,15 @@ async def test_the_node_page_registers_and_leaves_and_the_fleet_page_unpacks_bat
 
     await node_page.disconnect()
     await fleet_page.disconnect()
-    assert await fanout.awatched() == set()
+    await _watched_becomes(set())
     await batched.close()
+
+
+async def _watched_becomes(expected: set[str], timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while (seen := await fanout.awatched()) != expected:
+        assert asyncio.get_running_loop().time() < deadline, f"watched {seen}, not {expected}"
+        await asyncio.sleep(0.01)
 
 
 @pytest.mark.usefixtures("watch_key", "layer_pools")
